@@ -1,0 +1,145 @@
+"""The contract every draft head keeps: target features in, draft logits out.
+
+Alignment, the one convention everything else relies on
+--------------------------------------------------------
+Position t of a sequence is an *anchor*: the target has read tokens x_0..x_t, and the token x_{t+1} is known (in
+serving it is the token the target itself just emitted; in training it is the data token). Draft step k (1-based)
+at anchor t predicts token x_{t+1+k}. Its reference distribution is therefore the target's next-token distribution
+at position t+k, i.e. ``target_logits[:, t + k]``. Step k is only defined for anchors t <= T - 1 - k.
+
+So ``HeadOutput.logits[k-1][:, t]`` is compared with ``target_logits[:, t + k]``; ``heads.losses.shift_pair`` does
+that slicing once for the loss, for α and for the tests.
+
+Drafting
+--------
+Serving drafts one anchor at a time with a cache the head owns. ``commit`` writes the newly accepted positions
+(with their target features and the token that followed each) into the cache and returns the state of draft step 1
+at the last of them; ``step`` then runs step k >= 2 from the previous step's output and the drafted token. Both
+return logits over the *target* vocabulary (``-inf`` where a reduced draft vocabulary cannot reach), so serve/
+never special-cases a family. Cache slots past the committed length are scratch: the next ``commit`` overwrites
+them, which is how rejected drafts are rolled back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TargetDims:
+    """What a head must know about its target to be built; read from the target's HF config."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+
+@dataclass
+class TargetFeatures:
+    """One batch as the frozen target sees it.
+
+    hidden: HF ``hidden_states[k]`` for each requested k (the *input* of decoder layer k; k = num_layers is the
+    output of the final norm, which is also what the target's lm_head reads).
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    hidden: dict[int, torch.Tensor]  # k -> [B, T, H]
+    target_logits: torch.Tensor  # [B, T, V] the target's next-token logits (float32)
+    loss_mask: torch.Tensor  # [B, T] bool: position t's *next* token x_{t+1} is trained/evaluated on
+    attention_mask: torch.Tensor | None = None  # [B, T] 1 for real tokens (right padding only)
+
+    @property
+    def last_hidden(self) -> torch.Tensor:
+        return self.hidden[max(self.hidden)]
+
+
+@dataclass
+class HeadOutput:
+    logits: list[torch.Tensor]  # K tensors [B, T, V_draft]: step k at anchor t predicts x_{t+1+k}
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # extra losses, already reduced (e.g. feature L1)
+
+
+class DraftHead(nn.Module):
+    """Base class. Subclasses set ``family`` and implement ``forward``, ``commit``, ``step``.
+
+    Frozen target modules (embedding, lm_head, final norm) are *attached*, not owned: they are kept outside the
+    module tree so they never enter the head's state dict, optimizer or checkpoint.
+    """
+
+    family: ClassVar[str] = ""
+
+    def __init__(self, dims: TargetDims, num_steps: int):
+        super().__init__()
+        self.dims = dims
+        self.num_steps = num_steps  # K: draft steps trained and evaluated
+        self._frozen: dict[str, nn.Module] = {}
+
+    # -- target wiring -------------------------------------------------------------------------------------
+    def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module, final_norm: nn.Module) -> None:
+        self._frozen = {"embed_tokens": embed_tokens, "lm_head": lm_head, "final_norm": final_norm}
+
+    def frozen(self, name: str) -> nn.Module:
+        if name not in self._frozen:
+            raise RuntimeError(f"{type(self).__name__}: call attach_target(...) before using the head")
+        return self._frozen[name]
+
+    def init_from_target(self) -> None:
+        """Copy what a fresh head starts from out of the attached target (lm_head rows, norms). Default: nothing."""
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Which HF ``hidden_states`` indices this head reads (num_layers = final-norm output)."""
+        return (self.dims.num_layers,)
+
+    def hparams(self) -> dict:
+        """Constructor kwargs beyond dims, saved in the checkpoint so the registry can rebuild the head."""
+        return {"num_steps": self.num_steps}
+
+    # -- vocabulary ----------------------------------------------------------------------------------------
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [..., V_draft] -> target-vocab logits [..., V] (-inf where unreachable)."""
+        return logits
+
+    def from_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Target-vocab logits [..., V] -> the draft vocabulary's columns [..., V_draft]."""
+        return logits
+
+    @property
+    def max_draft_steps(self) -> int | None:
+        """Deepest chain the head can draft (None: unbounded, it feeds its own output back)."""
+        return None
+
+    # -- training ------------------------------------------------------------------------------------------
+    def forward(self, feats: TargetFeatures, num_steps: int | None = None) -> HeadOutput:
+        raise NotImplementedError
+
+    # -- drafting ------------------------------------------------------------------------------------------
+    def new_cache(self, max_len: int, device: torch.device | str, dtype: torch.dtype):
+        """Per-sequence drafting state (batch 1). Sized once; never grown in the decode loop."""
+        raise NotImplementedError
+
+    def commit(self, cache, hidden: dict[int, torch.Tensor], next_tokens: torch.Tensor, start: int):
+        """Append accepted positions start..start+n-1 to the cache.
+
+        hidden: k -> [1, n, H] target features at those positions; next_tokens: [1, n] the token after each.
+        Returns (logits [1, V] over the target vocab for draft step 1 at the last position, state) where state
+        is whatever ``step`` needs to continue the chain.
+        """
+        raise NotImplementedError
+
+    def step(self, cache, state, token: torch.Tensor, depth: int):
+        """Draft step ``depth`` (>= 2) after drafting ``token`` ([1] long) at step depth-1.
+
+        Returns (logits [1, V] over the target vocab, new state). Writes only scratch cache slots.
+        """
+        raise NotImplementedError

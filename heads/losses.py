@@ -1,0 +1,92 @@
+"""Distillation losses and the acceptance rate α, defined once.
+
+α for one position is Σ_x min(p(x), q(x)) = 1 - TV(p, q): the probability that speculative sampling accepts a
+token drawn from q when the target's distribution is p (Leviathan et al. 2023). Training's metric and serve/'s
+measured acceptance are the same quantity, so both come from here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from heads.base import HeadOutput, TargetFeatures
+from heads.sampling import probs_from_logits
+
+
+def shift_pair(draft: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, k: int):
+    """Align draft step k (anchor t) with the target at t + k; see heads.base for the convention.
+
+    draft [B, T, V], target_logits [B, T, V], mask [B, T] -> (draft [B, T-k, V], target [B, T-k, V], mask [B, T-k]).
+    The mask of the *predicted* token decides (position t+k's next token must be a trained token).
+    """
+    return draft[:, :-k], target_logits[:, k:], mask[:, k:]
+
+
+def alpha(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """[..., V] x [..., V] -> [...]: Σ_x min(p, q)."""
+    return torch.minimum(target_probs, draft_probs).sum(-1)
+
+
+def distill_loss(draft_logits, target_logits, kind: str = "soft_ce"):
+    """Per-position loss [N] between a draft and the target's next-token distribution (rows of [N, V])."""
+    target_probs = target_logits.float().softmax(-1)
+    draft_logp = draft_logits.float().log_softmax(-1)
+    if kind == "soft_ce":
+        return -(target_probs * draft_logp.clamp_min(-1e4)).sum(-1)
+    if kind == "kl":
+        return F.kl_div(draft_logp, target_probs, reduction="none", log_target=False).sum(-1)
+    if kind == "tv":
+        return 1 - alpha(target_probs, draft_logp.exp())
+    raise ValueError(f"unknown loss {kind!r}; choose soft_ce, kl or tv")
+
+
+def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce", step_decay: float = 1.0,
+              temperature: float = 1.0):
+    """Masked mean loss per step, weighted step_decay**(k-1), and α per step at ``temperature``.
+
+    Returns (loss, {"loss@k": ..., "alpha@k": ..., "count@k": ...} for k = 1..K, plus aux losses).
+    """
+    total = 0.0
+    stats: dict[str, torch.Tensor] = {}
+    for k, logits in enumerate(out.logits, start=1):
+        draft, target, mask = shift_pair(logits, feats.target_logits, feats.loss_mask, k)
+        draft, target = draft[mask], target[mask]  # [N, V_draft], [N, V]
+        count = mask.sum()
+        if count == 0:
+            continue
+        # A reduced draft vocabulary learns the target's distribution restricted (renormalised) to that vocabulary.
+        step_loss = distill_loss(draft, head.from_target_vocab(target), kind).mean()
+        total = total + step_decay ** (k - 1) * step_loss
+        with torch.no_grad():
+            a = alpha(probs_from_logits(target, temperature),
+                      probs_from_logits(head.to_target_vocab(draft.detach()), temperature))
+        stats[f"loss@{k}"] = step_loss.detach()
+        stats[f"alpha@{k}"] = a.mean()
+        stats[f"count@{k}"] = count
+    for name, value in out.aux.items():
+        total = total + value
+        stats[name] = value.detach()
+    return total, stats
+
+
+@torch.no_grad()
+def alpha_sums(head, out: HeadOutput, feats: TargetFeatures, temperature=0.0, top_k=0, top_p=1.0):
+    """Σ α and token count per step over target-vocab distributions, for exact held-out aggregation."""
+    sums, counts = [], []
+    for k, logits in enumerate(out.logits, start=1):
+        draft, target, mask = shift_pair(head.to_target_vocab(logits), feats.target_logits, feats.loss_mask, k)
+        draft, target = draft[mask], target[mask]
+        a = alpha(probs_from_logits(target, temperature, top_k, top_p), probs_from_logits(draft, temperature, top_k, top_p))
+        sums.append(a.sum().item())
+        counts.append(int(mask.sum()))
+    return sums, counts
+
+
+def tau_predicted(alphas: list[float]) -> dict[int, float]:
+    """Expected tokens per target pass for chain length γ: 1 + Σ_{k≤γ} Π_{j≤k} α_j."""
+    out, run, prod = {}, 1.0, 1.0
+    for gamma, a in enumerate(alphas, start=1):
+        prod *= a
+        run += prod
+        out[gamma] = run
+    return out

