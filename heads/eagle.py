@@ -72,6 +72,18 @@ class ChainHead(DraftHead):
         h = self.block(h, token.view(1, 1), positions, cache=cache)
         return self.to_target_vocab(self.logits(h[:, -1])), (h, pos + 1)
 
+    def step_tree(self, cache, h, tokens, positions, slots, bias):
+        """Draft N tree nodes in one call (EAGLE-2's per-depth expansion); ``step`` is the one-node chain case.
+
+        h [1, N, H]: each node's parent output (``commit``'s state h for the nodes right after the anchor);
+        tokens [1, N]: the nodes' tokens; positions [N]: rotary positions (parent's + 1); slots [N]: distinct
+        scratch cache rows past the committed length (a CPU tensor spares a host sync); bias [N, S], S =
+        max(slots) + 1: additive mask over cache rows, 0 on the committed prefix, the node's ancestors and itself.
+        Returns (logits [N, V] over the target vocab, out [1, N, H]: each node's state for its own children).
+        """
+        out = self.block(h, tokens, positions, cache=cache, slots=slots, bias=bias)
+        return self.to_target_vocab(self.logits(out[0])), out
+
 
 class Eagle(ChainHead):
     family = "eagle"

@@ -90,3 +90,42 @@ def test_drafting_matches_training(name, tiny_target):
             logits, state = head.step(cache, state, ids[0, anchor + k : anchor + k + 1], k)
             torch.testing.assert_close(logits[0], train_logits[k - 1][0, anchor], atol=1e-4, rtol=1e-4)
         start = anchor + 1
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_step_tree_matches_chain_step(name, tiny_target):
+    """A tree level drafted at once (with distractor siblings and their own subtrees) gives the chain's logits
+    on the path that follows the real tokens."""
+    head = make_head(name, tiny_target, num_steps=3)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    ids = batch(tiny_target, B=1, T=16)
+    feats = tiny_target.features(ids, layers=head.feature_layers)
+    anchor, depth = 9, 3
+    hidden = {k: v[:, : anchor + 1] for k, v in feats.hidden.items()}
+
+    cache = head.new_cache(64, "cpu", torch.float32)
+    _, state = head.commit(cache, hidden, ids[:, 1 : anchor + 2], 0)
+    chain = []
+    for k in range(2, depth + 2):
+        logits, state = head.step(cache, state, ids[0, anchor + k : anchor + k + 1], k)
+        chain.append(logits[0])
+
+    cache = head.new_cache(64, "cpu", torch.float32)
+    _, (h0, _) = head.commit(cache, hidden, ids[:, 1 : anchor + 2], 0)
+    # each level: [distractor, path node]; level d's nodes are children of level d-1's path node (index 1)
+    slot, ancestors, parent_h = anchor + 1, [], h0.expand(1, 2, -1)
+    for d in range(1, depth + 1):
+        tokens = torch.stack([(ids[0, anchor + 1 + d] + 1) % tiny_target.dims.vocab_size, ids[0, anchor + 1 + d]])
+        slots = torch.tensor([slot, slot + 1])
+        bias = torch.full((2, slot + 2), float("-inf"))
+        bias[:, : anchor + 1] = 0
+        bias[:, ancestors] = 0
+        bias[0, slot], bias[1, slot + 1] = 0, 0
+        positions = torch.full((2,), anchor + d)
+        logits, out = head.step_tree(cache, parent_h, tokens[None], positions, slots, bias)
+        torch.testing.assert_close(logits[1], chain[d - 1], atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(logits[0], logits[1])  # the distractor really is a different branch
+        ancestors.append(slot + 1)
+        parent_h = out[:, 1:2].expand(1, 2, -1)
+        slot += 2
