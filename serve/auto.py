@@ -1,0 +1,156 @@
+"""Choose γ (or a tree's size) from the head's measured α and this machine's measured costs.
+
+A round costs one target pass over n tokens, r(n) in units of a one-token pass, plus the head calls, c each (same
+unit); it yields E tokens on average. Predicted speedup over vanilla decoding = E / (r(n) + calls · c):
+- chain γ: n = γ + 1, calls = γ (commit + γ − 1 steps), E = heads.losses.tau_predicted(α)[γ];
+- tree of N drafted nodes and depth D: n = N + 1, calls = D (EAGLE-2: commit + one multi-node step per level;
+  Medusa: its D heads), E from serve/tree.py's positional-acceptance model (an approximation: it treats each
+  rejected sibling as leaving the next the same chance α_d).
+α comes from ``acceptance.json`` (train/ writes it beside DIR/head), at the serving temperature when recorded.
+Everything the choice used is returned, and the CLI writes it into bench.json.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from heads.losses import tau_predicted
+from serve.tree import MEDUSA_TREE, expected_tau_dynamic, expected_tau_paths
+
+
+def find_acceptance(head_path: str | Path, explicit: str | Path | None = None) -> Path:
+    if explicit:
+        path = Path(explicit)
+        if path.is_dir():
+            path = path / "acceptance.json"
+        if not path.exists():
+            raise FileNotFoundError(f"acceptance_path={explicit}: no such file")
+        return path
+    for candidate in (Path(head_path) / "acceptance.json", Path(head_path).parent / "acceptance.json"):
+        if candidate.exists():
+            return candidate
+    raise FileNotFoundError(f"gamma=auto needs acceptance.json in or beside {head_path} (train/main.py writes it; "
+                            f"mode=eval measures one) or acceptance_path=FILE; or set gamma=N")
+
+
+def read_alphas(path: Path, temperature: float) -> tuple[list[float], float]:
+    """α per draft position at the recorded temperature nearest the serving one -> (alphas, that temperature)."""
+    record = json.loads(Path(path).read_text())
+    by_t = {float(t): a for t, a in (record.get("alpha_by_temperature") or {}).items()}
+    if not by_t and "alpha" in record:
+        by_t = {float(record.get("temperature", temperature)): record["alpha"]}
+    if not by_t:
+        raise ValueError(f"{path} has no 'alpha' per draft position; is it a draftheads acceptance.json?")
+    t = min(by_t, key=lambda x: abs(x - temperature))
+    return [float(a) for a in by_t[t]], t
+
+
+def _seconds(fn, reps: int) -> float:
+    """Fastest of reps runs: the least disturbed by other work on the machine."""
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@torch.no_grad()
+def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> dict:
+    """r(n) for n in sizes (target pass over n tokens after ``context`` cached ones, ÷ one token) and c (one
+    draft step ÷ one target token), measured on this machine with random tokens."""
+    device = model.device
+    V = model.config.vocab_size
+    model.setup_cache(context + max(sizes) + 2)
+    ids = torch.randint(0, V, (1, context + max(sizes)), device=device)
+    model(ids[:, :context], 0, last_only=True)
+    layers = tuple(head.feature_layers) if head is not None else ()
+    one = _seconds(lambda: model(ids[:, context : context + 1], context, hidden_layers=layers), 2 * reps)
+    r = {int(n): _seconds(lambda: model(ids[:, context : context + n], context, hidden_layers=layers), reps) / one
+         for n in sorted(set(sizes) - {1})}
+    r[1] = 1.0  # the unit
+    out = {"target_pass_1_s": one, "r": r, "context": context}
+    if head is not None:
+        _, hidden = model(ids[:, :context], 0, hidden_layers=layers)
+        cache = head.new_cache(context + 64, device, model.dtype)
+        logits, state = head.commit(cache, {k: h[:, :-1] for k, h in hidden.items()}, ids[:, 1:context], 0)
+        token = logits.argmax(-1)
+        depth = 2 if head.max_draft_steps is None or head.max_draft_steps >= 2 else 1
+        if depth == 2:
+            step = _seconds(lambda: head.step(cache, state, token, 2), reps)
+        else:  # a one-step head: its only call is the commit
+            step = _seconds(lambda: head.commit(cache, {k: h[:, -2:-1] for k, h in hidden.items()},
+                                                       ids[:, context - 1 : context], context - 1), reps)
+        out["draft_step_s"] = step
+        out["c"] = step / one
+    return out
+
+
+def candidates(family: str, max_steps: int | None, alphas: list[float], tree: str | None):
+    """Settings to compare: chain γ up to the measured positions (and the head's limit); trees where they apply."""
+    top = len(alphas) if max_steps is None else min(len(alphas), max_steps)
+    out = [{"gamma": g} for g in range(1, top + 1)]
+    if tree == "static" and family == "medusa":
+        for depth in range(2, top + 1):
+            paths = [p for p in MEDUSA_TREE if len(p) <= depth]
+            out.append({"tree": "static", "tree_depth": depth, "tree_paths": paths, "tree_total_tokens": len(paths)})
+    if tree == "dynamic" and family in ("eagle", "eagle3"):
+        for depth in range(2, max(top, 2) + 3):  # EAGLE-2 drafts deeper than trained; α_K stands in beyond K
+            for total in (8, 16, 24, 32, 48, 64):
+                if total <= 4 + (depth - 1) * 16:
+                    out.append({"tree": "dynamic", "tree_depth": depth, "tree_top_k": 4, "tree_total_tokens": total})
+    return out
+
+
+def predict(setting: dict, alphas: list[float], r: dict, c: float) -> dict:
+    if "gamma" in setting:
+        n, calls = setting["gamma"] + 1, setting["gamma"]
+        tau = tau_predicted(alphas[: setting["gamma"]])[setting["gamma"]]
+    elif setting["tree"] == "static":
+        n, calls = setting["tree_total_tokens"] + 1, setting["tree_depth"]
+        tau = expected_tau_paths(alphas, setting["tree_paths"])
+    else:
+        n, calls = setting["tree_total_tokens"] + 1, setting["tree_depth"]
+        tau = expected_tau_dynamic(alphas, setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"])
+    cost = interpolate(r, n) + calls * c
+    return {"tau_predicted": tau, "r": interpolate(r, n), "cost": cost, "speedup_predicted": tau / cost}
+
+
+def interpolate(r: dict, n: int) -> float:
+    """r(n) from the measured points (linear between them, flat-slope extrapolation past the last)."""
+    xs = sorted(r)
+    if n in r:
+        return r[n]
+    lo = max([x for x in xs if x < n], default=xs[0])
+    hi = min([x for x in xs if x > n], default=None)
+    if hi is None:
+        prev = max([x for x in xs if x < lo], default=lo)
+        slope = (r[lo] - r[prev]) / (lo - prev) if lo != prev else 0.0
+        return r[lo] + slope * (n - lo)
+    return r[lo] + (r[hi] - r[lo]) * (n - lo) / (hi - lo)
+
+
+def choose(family: str, max_steps: int | None, alphas: list[float], costs: dict, tree: str | None) -> dict:
+    """-> {"choice": best setting, "predicted": ..., "table": every candidate with its prediction}."""
+    table = []
+    for s in candidates(family, max_steps, alphas, tree):
+        row = {k: v for k, v in s.items() if k != "tree_paths"}
+        table.append({**row, **predict(s, alphas, costs["r"], costs["c"])})
+    best = max(range(len(table)), key=lambda i: table[i]["speedup_predicted"])
+    choice = candidates(family, max_steps, alphas, tree)[best]
+    return {"choice": choice, "predicted": table[best], "table": table}
+
+
+def sizes_for(max_steps: int | None, alphas: list[float], tree: str | None) -> list[int]:
+    """Pass lengths the candidates need r(n) for."""
+    top = len(alphas) if max_steps is None else min(len(alphas), max_steps)
+    sizes = set(range(1, top + 2))
+    if tree:
+        sizes |= {9, 17, 25, 33, 49, 65}
+    return sorted(sizes)

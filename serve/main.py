@@ -1,0 +1,251 @@
+"""Run the speculative-decoding runner over a prompt file and record what it did (Hydra; conf/serve.yaml).
+
+    python serve/main.py target=smollm2-135m head_path=DIR prompts=FILE temperature=T max_new_tokens=N gamma=G \
+        hydra.run.dir=OUT
+
+No head_path: vanilla decoding through the same loop. Writes OUT/generations.jsonl (one line per prompt:
+question_id, prompt_ids, token_ids, text) and OUT/bench.json (tokens/s, τ measured, acceptance per position,
+target passes, the settings, and with gamma=auto the choice and the α/cost inputs it came from). ``serve(cfg)``
+is a plain function; ``main`` turns bad input into one line on stderr.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import sys
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from heads.checkpoint import check_target, load_head
+from heads.target import load_target, shared_dir
+from serve import auto
+from serve.generate import Decoder, Sampling, Stats, generate
+from serve.model import Transformer
+from serve.tree import MEDUSA_TREE, DynamicTree, StaticTree
+
+log = logging.getLogger("serve")
+OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), replace=True)
+
+
+class UserError(Exception):
+    """Bad input: reported as one line, no traceback."""
+
+
+# -- prompts -----------------------------------------------------------------------------------------------------
+
+def load_prompts(path, tokenizer, chat_template=True, per_category=None, limit=None) -> list[dict]:
+    """Spec-Bench ({"question_id", "category", "turns"}: first turn), {"messages": [...]} or {"prompt": "..."}.
+
+    -> [{"question_id", "category", "prompt_ids"}]. A trailing assistant message (a reference answer) is dropped.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"prompts={path}: no such file")
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{i}: not JSON ({e.msg}); prompts= wants one JSON object per line") from e
+        if not isinstance(rec, dict):
+            raise UserError(f"{path}:{i}: expected a JSON object with 'turns', 'messages' or 'prompt'")
+        if "turns" in rec:
+            messages, raw = [{"role": "user", "content": rec["turns"][0]}], None
+        elif "messages" in rec:
+            messages = [m for m in rec["messages"] if m.get("role") in ("system", "user", "assistant")]
+            while messages and messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
+            if not messages:
+                raise UserError(f"{path}:{i}: 'messages' has no user turn")
+            raw = None
+        elif "prompt" in rec:
+            messages, raw = None, str(rec["prompt"])
+        else:
+            raise UserError(f"{path}:{i}: no 'turns', 'messages' or 'prompt' field (keys: {sorted(rec)})")
+        if raw is None and not chat_template:
+            raw = "\n\n".join(m["content"] for m in messages)
+        if raw is None:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(raw).input_ids
+        category = rec.get("category", "")
+        task = "mt_bench" if "turns" in rec and category not in SPEC_BENCH_TASKS else category
+        records.append({"question_id": rec.get("question_id", rec.get("id", i)), "category": task,
+                        "prompt_ids": ids})
+    if per_category:
+        seen: dict[str, int] = defaultdict(int)
+        kept = []
+        for r in records:
+            if seen[r["category"]] < per_category:
+                kept.append(r)
+                seen[r["category"]] += 1
+        records = kept
+    records = records[:limit] if limit else records
+    if not records:
+        raise UserError(f"prompts={path}: no prompts")
+    return records
+
+
+SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")  # the rest is MT-bench
+
+
+# -- setup -------------------------------------------------------------------------------------------------------
+
+def resolve_device(cfg) -> tuple[str, torch.dtype]:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else cfg.target.dtype)
+    return device, getattr(torch, name)
+
+
+def load_draft_head(head_path, target, model, dtype):
+    path = Path(head_path)
+    if not (path / "config.json").exists() and (path / "head" / "config.json").exists():
+        path = path / "head"  # a training run's output directory
+    try:
+        head, config = load_head(path, device=str(model.device))
+        check_target(config, target.identity())
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from e
+    head.attach_target(model.embed_tokens, model.lm_head, model.norm)
+    return head.to(dtype).eval().requires_grad_(False), path
+
+
+def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
+    """-> (the setting: {"gamma"} or a tree's, the auto-choice record or None)."""
+    if head is None:
+        if cfg.gamma not in ("auto", 0, None) or cfg.tree:
+            raise UserError("gamma/tree need a draft head: pass head_path=DIR (or drop gamma/tree for vanilla)")
+        return {"gamma": 0}, None
+    if cfg.tree not in (None, "static", "dynamic"):
+        raise UserError(f"tree={cfg.tree}: choose null (chain), static or dynamic")
+    if cfg.tree == "static" and head.family != "medusa":
+        raise UserError(f"tree=static drafts with Medusa heads; this head is {head.family} (try tree=dynamic)")
+    if cfg.tree == "dynamic" and head.family not in ("eagle", "eagle3"):
+        raise UserError(f"tree=dynamic needs an eagle/eagle3 head; this head is {head.family}")
+    if cfg.gamma != "auto":
+        if cfg.tree == "static":
+            paths = [tuple(p) for p in cfg.tree_paths] if cfg.tree_paths else MEDUSA_TREE
+            paths = [p for p in paths if len(p) <= head.max_draft_steps]
+            return {"tree": "static", "tree_paths": paths, "tree_depth": max(map(len, paths)),
+                    "tree_total_tokens": len(paths)}, None
+        if cfg.tree == "dynamic":
+            return {"tree": "dynamic", "tree_depth": cfg.tree_depth, "tree_top_k": cfg.tree_top_k,
+                    "tree_total_tokens": cfg.tree_total_tokens}, None
+        try:
+            gamma = int(cfg.gamma)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"gamma={cfg.gamma}: an integer or auto") from e
+        return {"gamma": gamma}, None
+    try:
+        acc = auto.find_acceptance(head_dir, cfg.acceptance_path)
+        alphas, alpha_t = auto.read_alphas(acc, cfg.temperature)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from e
+    costs = auto.measure_costs(model, head, auto.sizes_for(head.max_draft_steps, alphas, cfg.tree))
+    record = auto.choose(head.family, head.max_draft_steps, alphas, costs, cfg.tree)
+    record.update({"acceptance_json": str(acc), "alpha": alphas, "alpha_temperature": alpha_t, "costs": costs})
+    log.info("gamma=auto chose %s (predicted speedup %.2fx from α=%s, c=%.3f)",
+             {k: v for k, v in record["choice"].items() if k != "tree_paths"},
+             record["predicted"]["speedup_predicted"], [round(a, 3) for a in alphas], costs["c"])
+    return record["choice"], record
+
+
+def make_tree(setting: dict, device):
+    if setting.get("tree") == "static":
+        return StaticTree(setting["tree_paths"], device)
+    if setting.get("tree") == "dynamic":
+        try:
+            return DynamicTree(setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"])
+        except ValueError as e:
+            raise UserError(str(e)) from e
+    return None
+
+
+def stop_ids(tokenizer, model_config) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(model_config, "eos_token_id", None)
+    ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return {i for i in ids if i is not None}
+
+
+# -- the job -----------------------------------------------------------------------------------------------------
+
+def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device, dtype = resolve_device(cfg)
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    try:
+        target = load_target(cfg.target.name, cfg.target.path, str(dtype).removeprefix("torch."), device)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise UserError(f"target {cfg.target.name}: {e}") from e
+    model = Transformer.from_hf(target.model)
+    head, head_dir = (None, None)
+    if cfg.head_path:
+        head, head_dir = load_draft_head(cfg.head_path, target, model, dtype)
+    prompts = load_prompts(cfg.prompts, target.tokenizer, cfg.chat_template, cfg.per_category, cfg.limit)
+    setting, choice = drafting(cfg, head, head_dir, model)
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    try:
+        dec = Decoder(model, head, sampling, gamma=setting.get("gamma", 0), tree=make_tree(setting, device),
+                      seed=cfg.seed)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    stops = stop_ids(target.tokenizer, target.model.config) if cfg.stop_at_eos else set()
+
+    from tqdm import tqdm
+
+    total = Stats()
+    with open(out / "generations.jsonl", "w") as f:
+        for i, p in enumerate(tqdm(prompts, desc="prompts", disable=not cfg.progress)):
+            dec.generator.manual_seed(cfg.seed + i)
+            prompt = torch.tensor(p["prompt_ids"], device=device)
+            tokens, stats = generate(dec, prompt, cfg.max_new_tokens, stops)
+            total.merge(stats)
+            f.write(json.dumps({"question_id": p["question_id"], "category": p["category"],
+                                "prompt_ids": p["prompt_ids"], "token_ids": tokens,
+                                "text": target.tokenizer.decode(tokens, skip_special_tokens=True)}) + "\n")
+    bench = {
+        **total.summary(),
+        "settings": {
+            "target": cfg.target.name, "head_path": str(head_dir) if head_dir else None,
+            "family": head.family if head is not None else None, "temperature": cfg.temperature,
+            "top_k": cfg.top_k, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+            "prompts": str(cfg.prompts), "num_prompts": len(prompts), "device": device,
+            "dtype": str(dtype).removeprefix("torch."),
+            **{k: ([list(p) for p in v] if k == "tree_paths" else v) for k, v in setting.items()},
+        },
+        "auto": choice,
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    (out / "bench.json").write_text(json.dumps(bench, indent=2))
+    log.info("%d prompts, %d tokens, %.1f tokens/s, tau %.2f, %d target passes -> %s", len(prompts),
+             bench["new_tokens"], bench["tokens_per_s"], bench["tau_measured"], bench["target_passes"], out)
+    return bench
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        serve(cfg, HydraConfig.get().runtime.output_dir)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The target as the decode loop needs it: a Llama-family forward over a KV cache allocated once.
+
+gpt-fast's shape, reading HF weights: ``Transformer.from_hf(hf_model)`` takes the HF ``LlamaForCausalLM``'s tensors
+as they are (no copy, so the HF model and this one can share memory in a benchmark). The cache holds
+``max_slots`` rows per layer, indexed by *slot*; a forward over T tokens writes rows start..start+T-1 and attends
+over rows 0..start+T-1. Rotary positions are separate from slots: in a tree, siblings share a position but not a
+slot. Rolling back rejected drafts is just a shorter ``start`` next time (their rows are overwritten); after tree
+verification ``compact`` gathers the accepted path's rows into consecutive slots, so the cache is a plain prefix
+again.
+
+The forward also returns the hidden states a draft head reads, in HF ``hidden_states`` indexing (k = the input of
+decoder layer k, k = num_layers = the final-norm output). Masks are additive floats for SDPA (HF eager attention
+gets boolean 4-D masks silently wrong).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.layers import RMSNorm, apply_rotary
+
+SUPPORTED = ("llama", "mistral", "qwen2")  # same block; qwen2 only adds q/k/v biases (config.attention_bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, qkv_bias: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
+        _, T, _ = x.shape
+        q = self.q_proj(x).view(1, T, self.num_heads, self.head_dim).transpose(1, 2)  # [1, nH, T, hd]
+        k = self.k_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, nKV, T, hd]
+        v = self.v_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        end = start + T
+        k_cache[:, :, start:end] = k  # a slice, not an index tensor: no host sync, no copy of the prefix
+        v_cache[:, :, start:end] = v
+        o = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(1, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c, head_dim: int):
+        super().__init__()
+        bias = bool(getattr(c, "attention_bias", False))
+        qkv_bias = bias or c.model_type == "qwen2"
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, bias, qkv_bias)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, bool(getattr(c, "mlp_bias", False)))
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder with a slot-indexed KV cache (batch 1)."""
+
+    def __init__(self, config, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+        super().__init__()
+        c = config
+        if c.model_type not in SUPPORTED:
+            raise ValueError(f"serve/model.py runs {SUPPORTED} decoders; this target is {c.model_type!r}")
+        if getattr(c, "sliding_window", None) and c.model_type == "mistral":
+            raise ValueError("sliding-window attention is not implemented in serve/model.py")
+        self.config = c
+        self.num_layers = c.num_hidden_layers
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c, self.head_dim) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        self.attention_scaling = attention_scaling  # HF's rope scaling factor (1.0 for plain rope)
+        self.k_cache: torch.Tensor | None = None  # [L, 1, nKV, S, hd]
+        self.v_cache: torch.Tensor | None = None
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module) -> "Transformer":
+        """Share the HF model's tensors (``assign=True``): no copy, same device and dtype."""
+        rotary = hf_model.model.rotary_emb  # HF computed inv_freq for this rope type (default, llama3, ...)
+        model = cls(hf_model.config, rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))
+        state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+        if "lm_head.weight" not in state:  # tied embeddings saved once
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.to(hf_model.device).eval().requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def max_slots(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[3]
+
+    def setup_cache(self, max_slots: int) -> None:
+        """Allocate (or keep, when big enough) the KV cache; every later forward only indexes into it."""
+        if self.max_slots >= max_slots:
+            return
+        c = self.config
+        shape = (self.num_layers, 1, c.num_key_value_heads, max_slots, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def rotary(self, positions: torch.Tensor):
+        angles = positions.float()[:, None] * self.inv_freq  # [T, hd/2]
+        emb = torch.cat([angles, angles], dim=-1)
+        s = self.attention_scaling
+        return (emb.cos() * s).to(self.dtype), (emb.sin() * s).to(self.dtype)  # [T, hd] each
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start: int, positions: torch.Tensor | None = None,
+                tree_bias: torch.Tensor | None = None, hidden_layers=(), last_only: bool = False):
+        """Run tokens [1, T] written to slots start..start+T-1.
+
+        positions: rotary positions [T] (default start..start+T-1). tree_bias: additive mask [T, T] among these
+        tokens (default causal); every token sees all slots before ``start``.
+        Returns (logits [T, V] float32, or [1, V] with last_only; {k: hidden [1, T, H]} for k in hidden_layers).
+        """
+        T = tokens.shape[1]
+        if start + T > self.max_slots:
+            raise ValueError(f"KV cache of {self.max_slots} slots is full (need {start + T}); call setup_cache")
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device)
+        mask = None
+        if T > 1 or tree_bias is not None:  # a single chain token sees every cached row: no mask needed
+            block = tree_bias if tree_bias is not None else causal(T, self.dtype, tokens.device)
+            mask = torch.cat([block.new_zeros(T, start), block.to(self.dtype)], dim=1)  # [T, start+T]
+        cos, sin = self.rotary(positions)
+        x = self.embed_tokens(tokens)
+        hidden = {}
+        for i, layer in enumerate(self.layers):
+            if i in hidden_layers:
+                hidden[i] = x
+            x = layer(x, cos, sin, self.k_cache[i], self.v_cache[i], start, mask)
+        x = self.norm(x)
+        if self.num_layers in hidden_layers:
+            hidden[self.num_layers] = x
+        logits = self.lm_head(x[:, -1:] if last_only else x)[0].float()
+        return logits, hidden
+
+    @torch.no_grad()
+    def compact(self, src_slots: torch.Tensor, dst: int) -> None:
+        """Move rows src_slots [n] to slots dst..dst+n-1 in every layer (tree path -> consecutive prefix).
+
+        Advanced indexing reads a copy of the source rows first, so overlapping ranges are safe.
+        """
+        n = src_slots.shape[0]
+        self.k_cache[:, :, :, dst : dst + n] = self.k_cache[:, :, :, src_slots]
+        self.v_cache[:, :, :, dst : dst + n] = self.v_cache[:, :, :, src_slots]
+
+
+def causal(T: int, dtype, device) -> torch.Tensor:
+    """[T, T] additive mask: token i sees tokens 0..i."""
+    return torch.full((T, T), float("-inf"), dtype=dtype, device=device).triu(1)
