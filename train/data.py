@@ -1,0 +1,285 @@
+"""Token sequences with loss masks, length-grouped batches, and the LightningDataModule.
+
+``loss_mask[t]`` is True when position t's *next* token x_{t+1} is one the head is trained and measured on
+(heads.base's convention). Chat: assistant tokens only. They are found from the tokenizer's own chat template:
+every prefix of the conversation is rendered with ``apply_chat_template`` and the character span each assistant
+turn adds is mapped to tokens through the fast tokenizer's offsets, so no separator is ever hard-coded and any
+template that renders prefixes consistently works. Plain text: every token. Generations: the generated part.
+
+Sequences are right-padded (with an attention mask) rather than packed: packing would let attention cross
+documents, and the target features the head sees would then differ from the ones it sees when serving. Batches
+group similar lengths so padding stays small. The batch order is a seeded function of (seed, epoch) and is
+resumable: the DataModule's state (saved in Lightning's checkpoint) says how many batches were consumed.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from functools import partial
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from train import UserError
+from train.distill import DistillConfig, answer
+from train.records import Record, split_records
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataConfig:
+    name: str = "default"  # recorded in acceptance.json
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)  # empty: hold out a hashed slice of train_files
+    heldout_fraction: float = 0.2
+    respond: str = "auto"  # auto: the target answers prompt-only records; target: it answers all; dataset: skip them
+    max_len: int = 512
+    batch_size: int = 8  # per device
+    eval_batch_size: int = 8
+    max_train_records: int | None = None
+    max_eval_records: int | None = None
+    num_workers: int = 0  # tokenised tensors in memory: workers only add start-up cost
+    cache_features: bool = False  # run the target once over the training set and keep the features it reads
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataConfig":
+        d = dict(d)
+        d["distill"] = DistillConfig(**d.get("distill", {}))
+        return cls(**d)
+
+
+@dataclass
+class Example:
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] bool
+    hidden: dict[int, torch.Tensor] | None = None  # cached target features k -> [T, H] (cache_features)
+
+
+def _mask_from_trained(trained: list[bool]) -> torch.Tensor:
+    """trained[j]: token j is a training token -> loss_mask[j-1] (position j-1 predicts it)."""
+    mask = torch.zeros(len(trained), dtype=torch.bool)
+    mask[:-1] = torch.tensor(trained[1:], dtype=torch.bool)
+    return mask
+
+
+def chat_example(messages: list[dict], tokenizer, max_len: int, where: str = "") -> Example:
+    render = partial(tokenizer.apply_chat_template, tokenize=False)
+    full = render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, upto = render(messages[:i], add_generation_prompt=True), render(messages[: i + 1])
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise UserError(f"{where}: this tokenizer's chat template does not render conversation prefixes "
+                            "consistently, so assistant turns cannot be located; use a plain-text data format")
+        spans.append((len(before), len(upto)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"][:max_len]
+    trained = [any(a <= s < b for a, b in spans) and e > s for s, e in enc["offset_mapping"][:max_len]]
+    return Example(torch.tensor(ids, dtype=torch.long), _mask_from_trained(trained))
+
+
+def text_example(text: str, tokenizer, max_len: int) -> Example:
+    ids = tokenizer(text).input_ids[:max_len]  # the tokenizer's own special tokens (BOS) as the target expects
+    mask = torch.ones(len(ids), dtype=torch.bool)
+    mask[-1] = False  # nothing follows the last token
+    return Example(torch.tensor(ids, dtype=torch.long), mask)
+
+
+def ids_example(prompt_ids: list[int], token_ids: list[int], max_len: int) -> Example:
+    ids = (prompt_ids + token_ids)[:max_len]
+    return Example(torch.tensor(ids, dtype=torch.long),
+                   _mask_from_trained([j >= len(prompt_ids) for j in range(len(ids))]))
+
+
+def tokenize(record: Record, tokenizer, max_len: int) -> Example:
+    if record.prompt_ids is not None:
+        return ids_example(record.prompt_ids, record.token_ids, max_len)
+    if record.messages is not None:
+        return chat_example(record.messages, tokenizer, max_len, record.where)
+    return text_example(record.text, tokenizer, max_len)
+
+
+def token_counts(examples: list[Example], vocab_size: int) -> torch.Tensor:
+    """[V] how often each token is a *trained* next token: EAGLE-3 keeps the most frequent as its draft vocab."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for ex in examples:
+        counts += torch.bincount(ex.input_ids[1:][ex.loss_mask[:-1]], minlength=vocab_size)[:vocab_size].double()
+    return counts
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    T = max(len(ex.input_ids) for ex in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), T), dtype=torch.bool)
+    attention_mask = torch.zeros((len(examples), T), dtype=torch.long)
+    for b, ex in enumerate(examples):  # right padding: real tokens keep positions 0..n-1, as when serving
+        n = len(ex.input_ids)
+        ids[b, :n], loss_mask[b, :n], attention_mask[b, :n] = ex.input_ids, ex.loss_mask, 1
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+    if examples[0].hidden is not None:
+        for k, h in examples[0].hidden.items():
+            padded = h.new_zeros((len(examples), T, h.shape[-1]))  # [B, T, H]
+            for b, ex in enumerate(examples):
+                padded[b, : len(ex.input_ids)] = ex.hidden[k]
+            batch[f"hidden.{k}"] = padded
+    return batch
+
+
+class LengthGroupedBatches(Sampler):
+    """Seeded, resumable, rank-sharded batches of similar length.
+
+    Each epoch: a (seed, epoch) permutation, cut into windows of 32 batches, each window sorted by length and cut
+    into batches, batch order shuffled again; rank r takes batches r, r+W, ... (equal counts on every rank).
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world: int = 1, drop_last: bool = True):
+        self.lengths, self.batch_size, self.seed, self.shuffle = lengths, batch_size, seed, shuffle
+        self.rank, self.world, self.drop_last = rank, world, drop_last
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before every epoch
+        self.epoch = epoch
+
+    def _batches(self) -> list[list[int]]:
+        n, B = len(self.lengths), self.batch_size
+        if not self.shuffle:
+            order = sorted(range(n), key=lambda i: -self.lengths[i])
+            batches = [order[i:i + B] for i in range(0, n, B)]
+            return batches[self.rank::self.world]
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        order = list(range(n))
+        rng.shuffle(order)
+        batches = []
+        for w in range(0, n, 32 * B):
+            window = sorted(order[w:w + 32 * B], key=lambda i: -self.lengths[i])
+            batches += [window[i:i + B] for i in range(0, len(window), B)]
+        if self.drop_last:
+            batches = [b for b in batches if len(b) == B]
+        rng.shuffle(batches)
+        per_rank = len(batches) // self.world if self.drop_last else -(-len(batches) // self.world)
+        return batches[self.rank::self.world][:per_rank]
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+    def __iter__(self):
+        batches = self._batches()
+        skip, self.skip = self.skip, 0  # a resumed epoch skips what was already consumed, once
+        yield from batches[skip:]
+
+
+class DraftDataModule(L.LightningDataModule):
+    """Reads, self-distils and tokenises once (``prepare``), then serves batches to Lightning and to evaluation."""
+
+    def __init__(self, cfg: DataConfig, target, seed: int = 0, mode: str = "train"):
+        super().__init__()
+        self.cfg, self.target, self.seed, self.mode = cfg, target, seed, mode
+        self.train_examples: list[Example] = []
+        self.eval_examples: list[Example] = []
+        self._train_sampler: LengthGroupedBatches | None = None
+        self._resume_batches = 0
+
+    def prepare(self) -> None:
+        c, tok = self.cfg, self.target.tokenizer
+        if c.respond not in ("auto", "target", "dataset"):
+            raise UserError(f"data.respond={c.respond!r}; choose auto, target or dataset")
+        train_files = c.train_files if self.mode == "train" else []
+        if self.mode == "eval" and not c.eval_files:
+            train_files = c.train_files  # the held-out slice of the training files
+        train, heldout = split_records(train_files, c.eval_files, c.heldout_fraction, c.max_train_records,
+                                       c.max_eval_records, self.seed)
+        if self.mode == "eval":
+            train = []
+        for split, records in (("train", train), ("eval", heldout)):
+            if c.respond == "dataset":
+                records = [r for r in records if not r.needs_answer]
+            else:
+                records = answer(records, self.target, c.distill, force=c.respond == "target", split=split)
+            examples = [tokenize(r, tok, c.max_len) for r in records]
+            kept = [ex for ex in examples if ex.loss_mask.any()]
+            if records and not kept:
+                raise UserError(f"no {split} tokens to learn from in {len(records)} records (first: {records[0].where})"
+                                f"; chat data needs assistant turns, or raise data.max_len={c.max_len}")
+            setattr(self, f"{split}_examples", kept)
+        if self.mode == "train" and not self.train_examples:
+            raise UserError("no training data; set data.train_files")
+        if not self.eval_examples:
+            raise UserError("no held-out data; set data.eval_files or data.heldout_fraction > 0")
+        log.info("data %s: %d train sequences (%d trained tokens), %d held-out (%d tokens)", c.name,
+                 len(self.train_examples), self.num_tokens(self.train_examples), len(self.eval_examples),
+                 self.num_tokens(self.eval_examples))
+
+    @torch.no_grad()
+    def cache_features(self, layers) -> None:
+        """EAGLE-style offline features: one target pass over the training set instead of one per epoch.
+
+        Keeps the hidden states the head reads (and the final-norm output, from which the module recomputes the
+        target's logits with the lm_head: far cheaper than the decoder stack and far smaller than [T, V] logits).
+        """
+        L_ = self.target.dims.num_layers
+        layers = sorted(set(layers) | {L_})
+        device = next(self.target.model.parameters()).device
+        loader = self._loader(self.train_examples, LengthGroupedBatches(
+            [len(ex.input_ids) for ex in self.train_examples], self.cfg.eval_batch_size, shuffle=False, drop_last=False))
+        order = loader.batch_sampler._batches()
+        for idx, batch in zip(order, loader):
+            attn = None if bool(batch["attention_mask"].all()) else batch["attention_mask"].to(device)
+            feats = self.target.features(batch["input_ids"].to(device), None, attn, layers=layers)
+            for b, i in enumerate(idx):
+                n = len(self.train_examples[i].input_ids)
+                self.train_examples[i].hidden = {k: feats.hidden[k][b, :n].cpu() for k in layers}
+
+    @staticmethod
+    def num_tokens(examples: list[Example]) -> int:
+        return int(sum(ex.loss_mask.sum() for ex in examples))
+
+    def token_counts(self) -> torch.Tensor:
+        return token_counts(self.train_examples, self.target.dims.vocab_size)
+
+    def _rank_world(self) -> tuple[int, int]:
+        t = self.trainer
+        return (t.global_rank, t.world_size) if t is not None else (0, 1)
+
+    def _loader(self, examples, batches: LengthGroupedBatches) -> DataLoader:
+        return DataLoader(examples, batch_sampler=batches, num_workers=self.cfg.num_workers,
+                          collate_fn=partial(collate, pad_id=self.target.tokenizer.pad_token_id))
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        lengths = [len(ex.input_ids) for ex in self.train_examples]
+        self._train_sampler = LengthGroupedBatches(lengths, self.cfg.batch_size, self.seed, True, rank, world)
+        n = len(self._train_sampler)
+        if n == 0:
+            raise UserError(f"{len(lengths)} training sequences make no full batch of data.batch_size="
+                            f"{self.cfg.batch_size} on {world} device(s); lower data.batch_size or add data")
+        epoch, offset = divmod(self._resume_batches, n)
+        self._train_sampler.set_epoch(epoch)
+        self._train_sampler.skip = offset
+        return self._loader(self.train_examples, self._train_sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        lengths = [len(ex.input_ids) for ex in self.eval_examples]
+        return self._loader(self.eval_examples, LengthGroupedBatches(lengths, self.cfg.eval_batch_size, shuffle=False,
+                                                                     rank=rank, world=world, drop_last=False))
+
+    def eval_loader(self) -> DataLoader:
+        """All held-out data in one process, for the final acceptance measurement."""
+        lengths = [len(ex.input_ids) for ex in self.eval_examples]
+        return self._loader(self.eval_examples, LengthGroupedBatches(lengths, self.cfg.eval_batch_size, shuffle=False,
+                                                                     drop_last=False))
+
+    # Resume: Lightning stores this in its checkpoint; batches consumed = optimizer steps x accumulation.
+    def state_dict(self) -> dict:
+        t = self.trainer
+        return {"batches_consumed": t.global_step * t.accumulate_grad_batches if t is not None else 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_batches = int(state.get("batches_consumed", 0))

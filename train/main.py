@@ -1,0 +1,218 @@
+"""Train a draft head on a frozen target and measure its acceptance α on held-out data (Hydra + Lightning).
+
+    python train/main.py                                  # EAGLE-3 on SmolLM2-135M, self-distilled data, CPU
+    python train/main.py head=eagle target=llama2-7b      # with a GPU and the weights (add trainer=ddp for many)
+    python train/main.py mode=eval head_path=DIR/head target=smollm2-135m data.eval_files=[FILE] hydra.run.dir=DIR2
+
+Outputs land in the Hydra run directory (``hydra.run.dir=DIR``): ``acceptance.json`` (α per draft position, trained
+and untrained, predicted τ), ``head/`` (the native head: config.json + model.safetensors), ``checkpoints/last.ckpt``
+(Lightning, for ``resume=true``), ``alpha.png`` and the logger's files (W&B offline by default).
+``train(cfg)`` is a plain function (tests call it with a composed config); ``main`` wraps it for the command line
+and turns ``UserError`` into one line that says what to fix.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from heads import build_head
+from heads.base import DraftHead
+from heads.checkpoint import check_target, load_head, save_head
+from heads.target import Target, load_target, shared_dir
+from train import UserError
+from train.acceptance import acceptance_record, measure, plot_alpha, write_json
+from train.data import DataConfig, DraftDataModule
+
+log = logging.getLogger("train")
+OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), replace=True)  # ${shared:data/x}
+
+
+def make_head(cfg: DictConfig, target: Target, token_counts: torch.Tensor | None, state: dict | None = None):
+    hp = OmegaConf.to_container(cfg.head.hparams, resolve=True) or {}
+    try:
+        head = build_head(cfg.head.name, target.dims, **hp)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"head {cfg.head.name} does not fit target {target.name}: {e}; fix head.hparams "
+                        f"(e.g. head.hparams.aux_layers=null picks layers that fit) or choose another target") from e
+    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    if state is not None:
+        head.load_state_dict(state)
+        return head
+    if hasattr(head, "set_vocab_map") and token_counts is not None:
+        head.set_vocab_map(token_counts)  # EAGLE-3: the draft vocabulary is the training data's frequent tokens
+    head.init_from_target()
+    return head
+
+
+def resolve_strategy(name, options: dict | None):
+    """A Lightning strategy name passes through; others (CPU DeepSpeed) come from train/strategies.py."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    options = options or {}
+    if not isinstance(name, str) or (name in ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed") and not options):
+        return name
+    if name in StrategyRegistry:
+        entry = StrategyRegistry[name]
+        return entry["strategy"](**{**entry["init_params"], **options}) if options else name
+    from train import strategies  # lazy: DeepSpeed is optional and heavy to import
+
+    return strategies.build_strategy(name, **options)
+
+
+def build_logger(cfg: DictConfig):
+    lcfg = cfg.get("logger")
+    if not lcfg or not lcfg.get("_target_"):
+        return False
+    return hydra.utils.instantiate(lcfg)
+
+
+def build_trainer(cfg: DictConfig, out: Path):
+    import lightning as L
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    strategy = resolve_strategy(kwargs.pop("strategy", "auto"), kwargs.pop("strategy_options", None))
+    every = kwargs.pop("checkpoint_every_n_steps", None)
+    logger = build_logger(cfg)
+    callbacks = [ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0,
+                                 every_n_train_steps=every or None)]
+    if logger:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    return L.Trainer(strategy=strategy, logger=logger, callbacks=callbacks, default_root_dir=str(out),
+                     use_distributed_sampler=False,  # the DataModule shards its own resumable batches
+                     **kwargs)
+
+
+def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
+    path = cfg.get("ckpt_path") or (out / "checkpoints" / "last.ckpt" if cfg.get("resume") else None)
+    if path is None:
+        return None
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"no checkpoint at {path}; run without resume=true, or pass ckpt_path=FILE")
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); delete it or pass another ckpt_path=") from e
+    return str(path)
+
+
+def data_description(cfg: DataConfig, data: DraftDataModule) -> dict:
+    heldout = list(cfg.eval_files) or [f"held-out {cfg.heldout_fraction:.0%} of {list(cfg.train_files)}"]
+    return {"config": cfg.name, "files": heldout, "sequences": len(data.eval_examples)}
+
+
+def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
+    """mode=eval: α of a saved head on held-out files, written to OUT/acceptance.json."""
+    if not cfg.get("head_path"):
+        raise UserError("mode=eval needs head_path=DIR/head (the head/ directory a training run wrote)")
+    try:
+        head, config = load_head(cfg.head_path)
+        check_target(config, target.identity())
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from e
+    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
+    data = DraftDataModule(dcfg, target, cfg.seed, mode="eval")
+    data.prepare()
+    e = cfg.eval
+    temps = [float(e.temperature)] + [float(t) for t in e.extra_temperatures if float(t) != float(e.temperature)]
+    measured = measure({"head": head}, target, data.eval_loader(), temps, e.top_k, e.top_p)
+    record = acceptance_record(config["family"], target.name, data_description(dcfg, data), temps[0],
+                               measured["head"], top_k=e.top_k, top_p=e.top_p)
+    record["head_path"] = str(cfg.head_path)
+    write_json(out / "acceptance.json", record)
+    return record
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run the job described by ``cfg``; returns the acceptance record (also written to OUT/acceptance.json)."""
+    import lightning as L
+
+    from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
+
+    if cfg.mode not in ("train", "eval"):
+        raise UserError(f"mode={cfg.mode!r}; choose train or eval")
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        target = load_target(cfg.target.name, cfg.target.path, cfg.target.dtype)
+    except (FileNotFoundError, OSError) as e:
+        raise UserError(f"cannot load target {cfg.target.name}: {str(e).splitlines()[0]}") from e
+    if cfg.mode == "eval":
+        return evaluate_saved(cfg, target, out)
+
+    ckpt_path = checkpoint_to_resume(cfg, out)
+    dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
+    data = DraftDataModule(dcfg, target, cfg.seed)
+    data.prepare()
+    counts = data.token_counts()
+    head = make_head(cfg, target, counts)
+    if dcfg.cache_features:
+        data.cache_features(head.feature_layers)
+    init_state = {k: v.detach().clone() for k, v in head.state_dict().items()}  # the untrained baseline
+    loss = LossConfig(**OmegaConf.to_container(cfg.head.loss, resolve=True))
+    optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
+    ecfg = EvalConfig(**OmegaConf.to_container(cfg.eval, resolve=True))
+    module = DraftModule(head, target, loss, optim, ecfg)
+    trainer = build_trainer(cfg, out)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+    if not trainer.is_global_zero:
+        return {}
+
+    head = module.head.float()
+    save_head(head, out / "head", target.identity(),
+              extra={"train": {"data": dcfg.name, "steps": trainer.global_step, "loss": asdict(loss)}})
+    untrained = make_head(cfg, target, None, state=init_state)
+    temps = [float(ecfg.temperature)] + [float(t) for t in ecfg.extra_temperatures if float(t) != ecfg.temperature]
+    measured = measure({"trained": head, "untrained": untrained}, target, data.eval_loader(), temps,
+                       ecfg.top_k, ecfg.top_p)
+    record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), temps[0],
+                               measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p)
+    record["train_steps"] = trainer.global_step
+    write_json(out / "acceptance.json", record)
+    plot_alpha(out / "alpha.png", record)
+    return record
+
+
+def report(record: dict) -> None:
+    """The α table on the console (the CLI's output; library code logs instead)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"α per draft position: {record['head']} on {record['target']}, temperature "
+                        f"{record['temperature']}, {record['num_tokens']} held-out tokens")
+    table.add_column("k", justify="right")
+    table.add_column("trained α", justify="right")
+    if "alpha_untrained" in record:
+        table.add_column("untrained α", justify="right")
+    table.add_column("τ predicted (γ=k)", justify="right")
+    for k, a in enumerate(record["alpha"], start=1):
+        row = [str(k), f"{a:.3f}"]
+        if "alpha_untrained" in record:
+            row.append(f"{record['alpha_untrained'][k - 1]:.3f}")
+        table.add_row(*row, f"{record['tau_predicted'][k]:.2f}")
+    Console().print(table)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        record = train(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if record:
+        report(record)
+        log.info("outputs in %s", cfg.out_dir)
+
+
+if __name__ == "__main__":
+    main()

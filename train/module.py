@@ -1,0 +1,138 @@
+"""The LightningModule: frozen target -> features -> head -> distillation loss, plus α on held-out batches.
+
+``training_step`` is the one-way flow of heads/: ``feats = target.features(batch)`` (no grad, eval),
+``out = head(feats)``, ``loss, stats = head_loss(head, out, feats)``, then logging. The target is a plain attribute,
+not a registered submodule, so its parameters never reach the optimizer, DDP's gradient buckets, DeepSpeed's
+partitions or the checkpoint; only the head is trained and saved.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import lightning as L
+import numpy as np
+import torch
+
+from heads.base import DraftHead, TargetFeatures
+from heads.losses import alpha_sums, head_loss
+from heads.target import Target
+
+
+@dataclass
+class LossConfig:
+    kind: str = "soft_ce"  # soft_ce | kl | tv: distillation to the target's next-token distribution
+    step_decay: float = 1.0  # weight of draft step k is step_decay**(k-1); EAGLE-3 uses 0.8
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0  # heads are small and trained briefly; decay mostly slows them down
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20  # linear warm-up, then cosine to min_lr_ratio * lr over the remaining steps
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class EvalConfig:
+    temperature: float = 0.0  # 0: greedy α, i.e. 1[argmax draft == argmax target]
+    top_k: int = 0
+    top_p: float = 1.0
+    extra_temperatures: tuple[float, ...] = (1.0,)  # also reported in acceptance.json (same forward, cheap)
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class DraftModule(L.LightningModule):
+    def __init__(self, head: DraftHead, target: Target, loss: LossConfig, optim: OptimConfig, evaluation: EvalConfig):
+        super().__init__()
+        self.head = head
+        self.target = target  # a dataclass, not an nn.Module: stays out of state_dict and parameters()
+        self.loss_cfg, self.optim_cfg, self.eval_cfg = loss, optim, evaluation
+        self._val_sums: torch.Tensor | None = None
+
+    def _move_target(self) -> None:
+        self.target.model.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self._move_target()
+
+    def on_validation_start(self) -> None:
+        self._move_target()
+
+    def features(self, batch: dict[str, torch.Tensor]) -> TargetFeatures:
+        attn = batch["attention_mask"]
+        L = self.target.dims.num_layers
+        if f"hidden.{L}" in batch:  # features cached by the DataModule: only the lm_head runs here
+            hidden = {int(k.split(".")[1]): v for k, v in batch.items() if k.startswith("hidden.")}
+            with torch.no_grad():
+                logits = self.target.lm_head(hidden[L]).float()
+            return TargetFeatures(batch["input_ids"], hidden, logits, batch["loss_mask"], attn)
+        attn = None if bool(attn.all()) else attn  # no padding: let attention take its fast causal path
+        return self.target.features(batch["input_ids"], batch["loss_mask"], attn, layers=self.head.feature_layers)
+
+    def training_step(self, batch, batch_idx):
+        feats = self.features(batch)
+        out = self.head(feats)
+        loss, stats = head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay)
+        B = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=B)
+        for name, value in stats.items():
+            if not name.startswith("count@"):
+                self.log(f"train/{name}", value.float(), prog_bar=name == "alpha@1", batch_size=B)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        feats = self.features(batch)
+        e = self.eval_cfg
+        sums, counts = alpha_sums(self.head, self.head(feats), feats, e.temperature, e.top_k, e.top_p)
+        step = torch.tensor([sums, counts], dtype=torch.float64, device=self.device)  # [2, K]
+        self._val_sums = step if self._val_sums is None else self._val_sums + step
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_sums is None:
+            return
+        total = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")  # exact over every rank's share
+        self._val_sums = None
+        for k, (s, c) in enumerate(total.T.tolist(), start=1):
+            if c:
+                self.log(f"val/alpha@{k}", s / c, rank_zero_only=True)
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # no decay on norms/biases
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = min(o.warmup_steps, max(1, total // 10))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, o.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # RNG state travels with the checkpoint (Lightning keeps only model, optimizer, scheduler, loops, data state),
+    # stored as plain tensors/lists so the checkpoint loads with weights_only=True.
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        np_state = np.random.get_state()
+        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+        if torch.cuda.is_available():
+            checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        rng = checkpoint.get("rng")
+        if not rng:
+            return
+        torch.set_rng_state(rng["torch"])
+        py = rng["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        np_state = rng["numpy"]
+        np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
