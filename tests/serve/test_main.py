@@ -1,0 +1,131 @@
+"""The command line: files written, fields present, greedy output identical with and without a head, gamma=auto
+recorded with its inputs, and one-line errors for bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from heads.checkpoint import save_head
+from serve.main import UserError, load_prompts, serve
+from tests.serve.conftest import perturbed_head, runner_model
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_target):
+    d = tmp_path_factory.mktemp("serve")
+    model = runner_model(tiny_target)
+    for family in ("eagle", "medusa"):
+        save_head(perturbed_head(family, tiny_target, model), d / family / "head", tiny_target.identity())
+        (d / family / "acceptance.json").write_text(json.dumps(
+            {"alpha": [0.6, 0.5, 0.4], "temperature": 0.0, "alpha_by_temperature": {"0.0": [0.6, 0.5, 0.4]}}))
+    lines = [{"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
+             {"prompt": "Once upon a time", "id": "story"},
+             {"question_id": 7, "category": "qa", "turns": ["Why is the sky blue?", "And the sea?"]}]
+    (d / "prompts.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return d
+
+
+def cfg(*overrides):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("serve", ["target=tiny-random", "progress=false", "max_new_tokens=10", *overrides])
+
+
+def read(out):
+    gens = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    return gens, json.loads((out / "bench.json").read_text())
+
+
+def test_cli_writes_files_and_matches_vanilla(files, tmp_path):
+    runs = {}
+    for name, extra in (("vanilla", []), ("eagle", [f"head_path={files / 'eagle'}", "gamma=2"])):
+        cmd = [sys.executable, "serve/main.py", "target=tiny-random", f"prompts={files / 'prompts.jsonl'}",
+               "temperature=0", "max_new_tokens=12", "threads=1", f"hydra.run.dir={tmp_path / name}", *extra]
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=300, capture_output=True)
+        runs[name] = read(tmp_path / name)
+    (van, van_bench), (spec, spec_bench) = runs["vanilla"], runs["eagle"]
+    assert [g["question_id"] for g in van] == [1, "story", 7]
+    for g in van + spec:
+        assert set(g) >= {"question_id", "prompt_ids", "token_ids", "text"} and len(g["token_ids"]) <= 12
+    assert [g["token_ids"] for g in spec] == [g["token_ids"] for g in van]  # greedy: the target's own tokens
+    for bench in (van_bench, spec_bench):
+        assert {"tokens_per_s", "tau_measured", "accept_rate_per_position", "target_passes", "settings"} <= set(bench)
+    assert spec_bench["settings"]["gamma"] == 2 and spec_bench["settings"]["family"] == "eagle"
+    assert van_bench["tau_measured"] == 1.0 and van_bench["settings"]["gamma"] == 0
+
+
+def test_prompt_formats(files, tiny_target):
+    prompts = load_prompts(files / "prompts.jsonl", tiny_target.tokenizer)
+    tok = tiny_target.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert prompts[0]["prompt_ids"] == tok(chat, add_special_tokens=False).input_ids  # the reference answer is dropped
+    assert prompts[1]["prompt_ids"] == tok("Once upon a time").input_ids  # raw text, no template
+    assert "Why is the sky blue?" in tok.decode(prompts[2]["prompt_ids"]) and "sea" not in tok.decode(
+        prompts[2]["prompt_ids"])  # Spec-Bench: first turn only
+    assert prompts[2]["category"] == "qa"
+
+
+def test_gamma_auto_records_choice(files, tmp_path):
+    bench = serve(cfg(f"head_path={files / 'eagle' / 'head'}", f"prompts={files / 'prompts.jsonl'}", "gamma=auto",
+                      "tree=dynamic"), tmp_path)
+    choice = bench["auto"]
+    assert choice["alpha"] == [0.6, 0.5, 0.4] and choice["acceptance_json"].endswith("acceptance.json")
+    assert {"r", "c", "target_pass_1_s"} <= set(choice["costs"]) and len(choice["table"]) > 3
+    best = max(row["speedup_predicted"] for row in choice["table"])
+    assert choice["predicted"]["speedup_predicted"] == best
+    for key, value in choice["choice"].items():
+        assert bench["settings"][key] == value
+
+
+def test_static_tree_sampling_runs(files, tmp_path):
+    bench = serve(cfg(f"head_path={files / 'medusa'}", f"prompts={files / 'prompts.jsonl'}", "gamma=3",
+                      "tree=static", "temperature=1.0", "top_p=0.9"), tmp_path)
+    assert bench["settings"]["tree"] == "static" and bench["target_passes"] > 0
+    assert 0 < bench["new_tokens"] <= 30  # 3 prompts x 10 tokens; an EOS may stop one early
+    assert all(0 <= r <= 1 for r in bench["accept_rate_per_position"] if r is not None)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["prompts=/nonexistent.jsonl"], "no such file"),
+    (["gamma=3"], "need a draft head"),
+    (["head_path={d}/eagle", "tree=static"], "Medusa"),
+    (["head_path={d}/medusa", "gamma=9"], "exceeds"),
+    (["head_path={d}/nothing"], "not a draftheads head"),
+    (["prompts={d}/bad.jsonl"], "not JSON"),
+])
+def test_bad_input_is_one_clear_error(files, tmp_path, overrides, message):
+    (files / "bad.jsonl").write_text('{"prompt": "ok"}\n{not json\n')
+    overrides = [o.format(d=files) for o in overrides]
+    if not any(o.startswith("prompts=") for o in overrides):
+        overrides.append(f"prompts={files / 'prompts.jsonl'}")
+    with pytest.raises(UserError, match=message):
+        serve(cfg(*overrides), tmp_path)
+
+
+@pytest.mark.slow  # a second interpreter start (imports take seconds); the error itself is tested in-process above
+def test_cli_error_is_one_line(tmp_path):
+    cmd = [sys.executable, "serve/main.py", "target=tiny-random", "prompts=/nonexistent.jsonl",
+           f"hydra.run.dir={tmp_path}"]
+    res = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: prompts=")
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.shared
+def test_spec_bench_subset(tiny_target):
+    from heads.target import shared_dir
+
+    path = shared_dir() / "data" / "eval" / "spec_bench" / "question.jsonl"
+    prompts = load_prompts(path, tiny_target.tokenizer, per_category=2)
+    cats = [p["category"] for p in prompts]
+    assert sorted(set(cats)) == ["math_reasoning", "mt_bench", "qa", "rag", "summarization", "translation"]
+    assert all(cats.count(c) == 2 for c in set(cats))

@@ -1,0 +1,86 @@
+"""serve/model.py computes what HF computes: logits and hidden states, in chunks over its cache, for tree passes
+under a tree mask, and after gathering a tree path into consecutive slots."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve.model import Transformer
+from serve.verify import tree_attention_bias, tree_depths
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def check_chunks(target, T=40, chunks=(0, 23, 24, 31), atol=1e-4):
+    """Prefill and decode in uneven chunks == one HF forward, for logits and every hidden_states index."""
+    model = Transformer.from_hf(target.model)
+    model.setup_cache(64)
+    L = model.num_layers
+    ids = torch.randint(0, target.dims.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    ref = target.features(ids, layers=range(L + 1))
+    bounds = list(chunks) + [T]
+    logits, hidden = [], {k: [] for k in range(L + 1)}
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        lg, h = model(ids[:, a:b], a, hidden_layers=tuple(range(L + 1)))
+        logits.append(lg)
+        for k in h:
+            hidden[k].append(h[k])
+    torch.testing.assert_close(torch.cat(logits), ref.target_logits[0], atol=atol, rtol=1e-4)
+    for k in range(L + 1):
+        torch.testing.assert_close(torch.cat(hidden[k], 1), ref.hidden[k], atol=atol, rtol=1e-4)
+    last, _ = model(ids[:, :T], 0, last_only=True)
+    torch.testing.assert_close(last[0], ref.target_logits[0, -1], atol=atol, rtol=1e-4)
+
+
+def test_equals_hf_tiny(tiny_target):
+    check_chunks(tiny_target)
+
+
+@pytest.mark.shared
+def test_equals_hf_stories(stories_target):
+    check_chunks(stories_target)
+
+
+@pytest.mark.slow
+def test_equals_hf_smollm2(smollm2_target):
+    check_chunks(smollm2_target, atol=5e-4)
+
+
+def test_tree_pass_and_compaction(chaotic_target):
+    """Each tree node's logits equal HF's on prefix + the node's branch; after compacting one branch into
+    consecutive slots, decoding continues exactly as if that branch had been the only one."""
+    target = chaotic_target
+    model = Transformer.from_hf(target.model)
+    model.setup_cache(64)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 256, (1, 10), generator=g)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 5]
+    tokens = torch.randint(0, 256, (len(parents),), generator=g)
+    model(prefix, 0)
+    depth = tree_depths(parents)
+    logits, _ = model(tokens[None], 10, positions=10 + depth, tree_bias=tree_attention_bias(parents))
+
+    def branch(i):
+        path = [i]
+        while parents[path[-1]] > 0:
+            path.append(parents[path[-1]])
+        return [0] + path[::-1] if i else [0]
+
+    for i in range(len(parents)):
+        seq = torch.cat([prefix[0], tokens[branch(i)]])[None]
+        ref = target.model(seq).logits[0, -1].float()
+        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
+
+    path = branch(7)  # [0, 2, 5, 7]: not consecutive, so compaction moves rows
+    model.compact(10 + torch.tensor(path[1:]), 11)
+    nxt = torch.tensor([[3]])
+    got, _ = model(nxt, 10 + len(path))
+    seq = torch.cat([prefix[0], tokens[path], nxt[0]])[None]
+    torch.testing.assert_close(got[0], target.model(seq).logits[0, -1].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_full_cache_is_refused(tiny_target):
+    model = Transformer.from_hf(tiny_target.model)
+    model.setup_cache(8)
+    with pytest.raises(ValueError, match="full"):
+        model(torch.zeros(1, 9, dtype=torch.long), 0)

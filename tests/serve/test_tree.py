@@ -1,0 +1,99 @@
+"""Tree drafting and the expected-τ model behind gamma=auto."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads.losses import tau_predicted
+from serve import auto
+from serve.generate import Sampling
+from serve.tree import MEDUSA_TREE, DynamicTree, StaticTree, expected_tau_dynamic, expected_tau_paths
+from tests.serve.conftest import perturbed_head, runner_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def committed(family, target, T=12, head=None):
+    """(head, a fresh drafting cache with T positions committed, step-1 logits, state)."""
+    model = runner_model(target)
+    head = head or perturbed_head(family, target, model, std=0.05)
+    model.setup_cache(64)
+    ids = torch.randint(0, 256, (1, T + 1), generator=torch.Generator().manual_seed(2))
+    _, hidden = model(ids[:, :T], 0, hidden_layers=head.feature_layers)
+    cache = head.new_cache(64, "cpu", torch.float32)
+    logits, state = head.commit(cache, hidden, ids[:, 1:], 0)
+    return head, cache, logits, state
+
+
+@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+def test_dynamic_tree_top1_is_the_greedy_chain(family, chaotic_target):
+    """top_k = 1 leaves one path: it must be what chain drafting with argmax proposes (step_tree == step)."""
+    head, cache, logits, state = committed(family, chaotic_target)
+    chain, lg, st = [], logits, state
+    for d in range(1, 5):
+        chain.append(int(lg.argmax()))
+        if d < 4:
+            lg, st = head.step(cache, st, torch.tensor([chain[-1]]), d + 1)
+    head, cache, logits, state = committed(family, chaotic_target, head=head)
+    tree = DynamicTree(depth=4, top_k=1, total_tokens=4).draft(head, cache, logits, state, Sampling(), None)
+    assert tree.parents == [-1, 0, 1, 2, 3] and tree.tokens[1:].tolist() == chain
+
+
+def test_dynamic_tree_shape(chaotic_target):
+    head, cache, logits, state = committed("eagle", chaotic_target)
+    tree = DynamicTree(depth=4, top_k=3, total_tokens=12).draft(head, cache, logits, state, Sampling(), None)
+    parents = tree.parents
+    assert len(parents) == 13 and parents[0] == -1 and all(0 <= p < i for i, p in enumerate(parents) if i)
+    assert tree.depths.max() <= 4 and tree.bias.shape == (13, 13)
+    first = [int(tree.tokens[i]) for i in range(1, 13) if parents[i] == 0]
+    top = torch.topk(logits[0], 3).indices.tolist()
+    assert set(first) <= set(top) and top[0] in first  # the head's favourite is always drafted
+    for i in range(1, 13):  # siblings are distinct tokens
+        sib = [int(tree.tokens[j]) for j in range(1, 13) if parents[j] == parents[i]]
+        assert len(sib) == len(set(sib))
+
+
+def test_static_tree_greedy_tokens(chaotic_target):
+    head, cache, logits, state = committed("medusa", chaotic_target)
+    paths = [p for p in MEDUSA_TREE if len(p) <= 3]
+    st = StaticTree(paths, "cpu")
+    tree = st.draft(head, cache, logits, state, Sampling(), None)
+    per_depth = [logits[0]] + [head.step(cache, state, torch.zeros(1, dtype=torch.long), d)[0][0] for d in (2, 3)]
+    for i, p in enumerate(st.paths, start=1):
+        assert int(tree.tokens[i]) == int(torch.topk(per_depth[len(p) - 1], p[-1] + 1).indices[-1])
+        assert st.parents[i] == (0 if len(p) == 1 else st.paths.index(p[:-1]) + 1)
+    sampled = st.draft(head, cache, logits, state, Sampling(1.0), torch.Generator().manual_seed(0))
+    assert sampled.scheme == "without_replacement" and sampled.draft_probs.shape == (len(paths) + 1, logits.shape[-1])
+    for i in range(len(st.parents)):  # without replacement: siblings differ
+        sib = [int(sampled.tokens[j]) for j in range(1, len(st.parents)) if st.parents[j] == i]
+        assert len(sib) == len(set(sib))
+
+
+def test_expected_tau_reduces_to_the_chain():
+    alphas = [0.8, 0.6, 0.5]
+    chain = [(0,), (0, 0), (0, 0, 0)]
+    assert expected_tau_paths(alphas, chain) == pytest.approx(tau_predicted(alphas)[3])
+    assert expected_tau_dynamic(alphas, 3, 1, 3) == pytest.approx(tau_predicted(alphas)[3])
+    assert expected_tau_dynamic(alphas, 3, 4, 24) > expected_tau_dynamic(alphas, 3, 4, 8) > tau_predicted(alphas)[3]
+
+
+def test_choose_maximises_predicted_speedup(tmp_path):
+    alphas = [0.9, 0.85, 0.8, 0.75]
+    r = {n: 1.0 + 0.02 * (n - 1) for n in range(1, 70)}
+    cheap = auto.choose("eagle", None, alphas, {"r": r, "c": 0.01}, None)
+    assert cheap["choice"] == {"gamma": 4}
+    dear = auto.choose("eagle", None, alphas, {"r": r, "c": 2.0}, None)
+    assert dear["choice"] == {"gamma": 1}
+    assert all(row["speedup_predicted"] <= dear["predicted"]["speedup_predicted"] for row in dear["table"])
+    tree = auto.choose("eagle", None, alphas, {"r": r, "c": 0.01}, "dynamic")
+    assert tree["choice"]["tree"] == "dynamic"  # nearly free width: a tree beats the chain
+    (tmp_path / "acceptance.json").write_text('{"alpha": [0.5], "temperature": 0.0, '
+                                              '"alpha_by_temperature": {"0.0": [0.5], "1.0": [0.7, 0.6]}}')
+    assert auto.read_alphas(auto.find_acceptance(tmp_path / "head"), 0.9) == ([0.7, 0.6], 1.0)
+
+
+def test_measure_costs(tiny_target):
+    model = runner_model(tiny_target)
+    head = perturbed_head("eagle", tiny_target, model)
+    costs = auto.measure_costs(model, head, [1, 2, 5], context=16, reps=2)
+    assert costs["r"][1] == 1.0 and set(costs["r"]) == {1, 2, 5} and costs["c"] > 0
