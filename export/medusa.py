@@ -1,0 +1,85 @@
+"""FasterDecoding's Medusa layout, as ``MedusaModel.from_pretrained(OUT)`` in their medusa/model/medusa_model.py
+loads it: config.json (MedusaConfig: medusa_num_heads, medusa_num_layers, base_model_name_or_path) and
+medusa_lm_head.pt, a torch state dict of ``medusa_head`` (loaded with ``strict=False``, so names must be exact).
+
+Checked against FasterDecoding/Medusa medusa/model/medusa_model.py:
+- head h is ``nn.Sequential(*([ResBlock(H)] * medusa_num_layers), nn.Linear(H, V, bias=False))``: keys
+  ``{h}.{l}.linear.weight|bias`` (ResBlock's Linear always has a bias) and ``{h}.{medusa_num_layers}.weight``.
+  ``[ResBlock(H)] * n`` repeats *one* module, so every layer of a head shares weights: only heads with
+  num_layers == 1 can go here (use format=vllm otherwise).
+- it reads the base model's final-norm hidden state (outputs[0]) and applies x + SiLU(linear(x)).
+The same tensors are also written as medusa_lm_head.safetensors (what their training script, TGI and
+TensorRT-LLM read), and config.json carries medusa_fc_bias: true so vLLM's Medusa loader, which remaps these old
+names (vllm medusa.py ``_remap_old_checkpoint_key``), keeps the biases instead of dropping them.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from export import reference
+from export.common import ExportContext, ExportRefused, Written
+
+FAMILIES = ("medusa",)
+WEIGHTS = "medusa_lm_head.safetensors"
+PICKLE = "medusa_lm_head.pt"
+
+
+def write(ctx: ExportContext) -> Written:
+    head, state = ctx.head, ctx.state()
+    if head.num_layers != 1:
+        raise ExportRefused(f"FasterDecoding's Medusa ties the {head.num_layers} ResBlocks of a head ([ResBlock] * n); "
+                            "this head's are independent; use format=vllm")
+    H, K = ctx.dims.hidden_size, head.num_steps
+    tensors = {}
+    for h in range(K):
+        tensors[f"{h}.0.linear.weight"] = state[f"blocks.{h}.layers.0.weight"]
+        bias = state.get(f"blocks.{h}.layers.0.bias")
+        tensors[f"{h}.0.linear.bias"] = bias if bias is not None else torch.zeros(H, dtype=ctx.dtype)
+        tensors[f"{h}.1.weight"] = state[f"lm_heads.{h}.weight"]
+    config = {"medusa_num_heads": K, "medusa_num_layers": 1, "base_model_name_or_path": ctx.target_path,
+              "hidden_size": H, "vocab_size": ctx.dims.vocab_size, "medusa_fc_bias": True,
+              "torch_dtype": str(ctx.dtype).removeprefix("torch.")}
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return Written(config, tensors, weights_file=WEIGHTS, extra={PICKLE: buffer.getvalue()})
+
+
+def required(ctx: ExportContext) -> dict:
+    return {"medusa_num_heads": ctx.head.num_steps, "medusa_num_layers": 1, "base_model_name_or_path": ctx.target_path}
+
+
+def expected(cfg: dict, family: str) -> dict:
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    out = {}
+    for h in range(cfg["medusa_num_heads"]):
+        for layer in range(cfg["medusa_num_layers"]):
+            out[f"{h}.{layer}.linear.weight"] = ((H, H), None)
+            out[f"{h}.{layer}.linear.bias"] = ((H,), None)
+        out[f"{h}.{cfg['medusa_num_layers']}.weight"] = ((V, H), None)
+    return out
+
+
+def reference_logits(cfg: dict, tensors: dict, family: str, target, feats, K: int):
+    n = cfg["medusa_num_layers"]
+    blocks = [[(tensors[f"{h}.0.linear.weight"], tensors[f"{h}.0.linear.bias"])] * n for h in range(K)]  # tied
+    return reference.medusa(blocks, [tensors[f"{h}.{n}.weight"] for h in range(K)], feats, target.dims.num_layers, K)
+
+
+def check_pickle(out_dir) -> None:
+    """medusa_lm_head.pt holds exactly the safetensors' tensors (the reference code reads the pickle)."""
+    pickled = torch.load(Path(out_dir) / PICKLE, map_location="cpu", weights_only=True)
+    stored = load_file(str(Path(out_dir) / WEIGHTS))
+    if set(pickled) != set(stored) or any(not torch.equal(pickled[k], stored[k]) for k in stored):
+        raise ValueError(f"{PICKLE} and {WEIGHTS} differ")
+
+
+def commands(ctx: ExportContext, out: str, target: str) -> dict:
+    return {"python": "from medusa.model.medusa_model import MedusaModel\n"
+                      f"model = MedusaModel.from_pretrained({out!r})  # base model: {target}\n"
+                      "# then model.medusa_generate(input_ids, temperature=0.0, max_steps=64)",
+            "vllm": f"LLM(model={target!r}, speculative_config={{'method': 'medusa', 'model': {out!r}, "
+                    f"'num_speculative_tokens': {ctx.head.num_steps}}})"}
