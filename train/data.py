@@ -9,7 +9,7 @@ template that renders prefixes consistently works. Plain text: every token. Gene
 Sequences are right-padded (with an attention mask) rather than packed: packing would let attention cross
 documents, and the target features the head sees would then differ from the ones it sees when serving. Batches
 group similar lengths so padding stays small. The batch order is a seeded function of (seed, epoch) and is
-resumable: the DataModule's state (saved in Lightning's checkpoint) says how many batches were consumed.
+resumable: the train loader's state (saved in Lightning's checkpoint) says how many batches were consumed.
 """
 from __future__ import annotations
 
@@ -99,7 +99,10 @@ def ids_example(prompt_ids: list[int], token_ids: list[int], max_len: int) -> Ex
 
 def tokenize(record: Record, tokenizer, max_len: int) -> Example:
     if record.prompt_ids is not None:
-        return ids_example(record.prompt_ids, record.token_ids, max_len)
+        ex = ids_example(record.prompt_ids, record.token_ids, max_len)
+        if record.features is not None:  # features kept while the target generated this very sequence
+            ex.hidden = {k: h[:max_len] for k, h in record.features.items()}
+        return ex
     if record.messages is not None:
         return chat_example(record.messages, tokenizer, max_len, record.where)
     return text_example(record.text, tokenizer, max_len)
@@ -169,10 +172,28 @@ class LengthGroupedBatches(Sampler):
     def __len__(self) -> int:
         return len(self._batches())
 
+    def resume(self, batches_consumed: int) -> None:
+        self.epoch, self.skip = divmod(batches_consumed, len(self))
+
     def __iter__(self):
         batches = self._batches()
         skip, self.skip = self.skip, 0  # a resumed epoch skips what was already consumed, once
         yield from batches[skip:]
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader Lightning checkpoints: its state is how many batches training consumed (optimizer steps x
+    accumulation, read from the trainer, so batches Lightning prefetched but never trained on do not count)."""
+
+    def __init__(self, *args, consumed=lambda: 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.consumed = consumed
+
+    def state_dict(self) -> dict:
+        return {"batches_consumed": self.consumed()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.resume(int(state["batches_consumed"]))
 
 
 class DraftDataModule(L.LightningDataModule):
@@ -183,11 +204,11 @@ class DraftDataModule(L.LightningDataModule):
         self.cfg, self.target, self.seed, self.mode = cfg, target, seed, mode
         self.train_examples: list[Example] = []
         self.eval_examples: list[Example] = []
-        self._train_sampler: LengthGroupedBatches | None = None
-        self._resume_batches = 0
 
-    def prepare(self) -> None:
+    def prepare(self, layers=()) -> None:
+        """Read, split, self-distil and tokenise. ``layers``: keep these target features while generating."""
         c, tok = self.cfg, self.target.tokenizer
+        layers = tuple(sorted(set(layers) | {self.target.dims.num_layers})) if c.cache_features and layers else ()
         if c.respond not in ("auto", "target", "dataset"):
             raise UserError(f"data.respond={c.respond!r}; choose auto, target or dataset")
         train_files = c.train_files if self.mode == "train" else []
@@ -201,7 +222,8 @@ class DraftDataModule(L.LightningDataModule):
             if c.respond == "dataset":
                 records = [r for r in records if not r.needs_answer]
             else:
-                records = answer(records, self.target, c.distill, force=c.respond == "target", split=split)
+                records = answer(records, self.target, c.distill, force=c.respond == "target", split=split,
+                                 layers=layers if split == "train" else ())
             examples = [tokenize(r, tok, c.max_len) for r in records]
             kept = [ex for ex in examples if ex.loss_mask.any()]
             if records and not kept:
@@ -223,13 +245,14 @@ class DraftDataModule(L.LightningDataModule):
         Keeps the hidden states the head reads (and the final-norm output, from which the module recomputes the
         target's logits with the lm_head: far cheaper than the decoder stack and far smaller than [T, V] logits).
         """
-        L_ = self.target.dims.num_layers
-        layers = sorted(set(layers) | {L_})
+        layers = sorted(set(layers) | {self.target.dims.num_layers})
         device = next(self.target.model.parameters()).device
         loader = self._loader(self.train_examples, LengthGroupedBatches(
             [len(ex.input_ids) for ex in self.train_examples], self.cfg.eval_batch_size, shuffle=False, drop_last=False))
         order = loader.batch_sampler._batches()
         for idx, batch in zip(order, loader):
+            if all(self.train_examples[i].hidden is not None for i in idx):
+                continue  # kept from generation
             attn = None if bool(batch["attention_mask"].all()) else batch["attention_mask"].to(device)
             feats = self.target.features(batch["input_ids"].to(device), None, attn, layers=layers)
             for b, i in enumerate(idx):
@@ -254,15 +277,14 @@ class DraftDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
         lengths = [len(ex.input_ids) for ex in self.train_examples]
-        self._train_sampler = LengthGroupedBatches(lengths, self.cfg.batch_size, self.seed, True, rank, world)
-        n = len(self._train_sampler)
-        if n == 0:
+        batches = LengthGroupedBatches(lengths, self.cfg.batch_size, self.seed, True, rank, world)
+        if len(batches) == 0:
             raise UserError(f"{len(lengths)} training sequences make no full batch of data.batch_size="
                             f"{self.cfg.batch_size} on {world} device(s); lower data.batch_size or add data")
-        epoch, offset = divmod(self._resume_batches, n)
-        self._train_sampler.set_epoch(epoch)
-        self._train_sampler.skip = offset
-        return self._loader(self.train_examples, self._train_sampler)
+        t = self.trainer
+        return ResumableLoader(self.train_examples, batch_sampler=batches, num_workers=self.cfg.num_workers,
+                               collate_fn=partial(collate, pad_id=self.target.tokenizer.pad_token_id),
+                               consumed=lambda: t.global_step * t.accumulate_grad_batches if t is not None else 0)
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
@@ -275,11 +297,3 @@ class DraftDataModule(L.LightningDataModule):
         lengths = [len(ex.input_ids) for ex in self.eval_examples]
         return self._loader(self.eval_examples, LengthGroupedBatches(lengths, self.cfg.eval_batch_size, shuffle=False,
                                                                      drop_last=False))
-
-    # Resume: Lightning stores this in its checkpoint; batches consumed = optimizer steps x accumulation.
-    def state_dict(self) -> dict:
-        t = self.trainer
-        return {"batches_consumed": t.global_step * t.accumulate_grad_batches if t is not None else 0}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._resume_batches = int(state.get("batches_consumed", 0))

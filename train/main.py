@@ -33,7 +33,8 @@ log = logging.getLogger("train")
 OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), replace=True)  # ${shared:data/x}
 
 
-def make_head(cfg: DictConfig, target: Target, token_counts: torch.Tensor | None, state: dict | None = None):
+def make_head(cfg: DictConfig, target: Target, state: dict | None = None) -> DraftHead:
+    """Build the configured head for this target; ``state``: load these weights, else call ``init_head`` next."""
     hp = OmegaConf.to_container(cfg.head.hparams, resolve=True) or {}
     try:
         head = build_head(cfg.head.name, target.dims, **hp)
@@ -43,11 +44,13 @@ def make_head(cfg: DictConfig, target: Target, token_counts: torch.Tensor | None
     head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
     if state is not None:
         head.load_state_dict(state)
-        return head
-    if hasattr(head, "set_vocab_map") and token_counts is not None:
+    return head
+
+
+def init_head(head: DraftHead, token_counts: torch.Tensor) -> None:
+    if hasattr(head, "set_vocab_map"):
         head.set_vocab_map(token_counts)  # EAGLE-3: the draft vocabulary is the training data's frequent tokens
     head.init_from_target()
-    return head
 
 
 def resolve_strategy(name, options: dict | None):
@@ -96,6 +99,8 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
     path = Path(path)
     if not path.exists():
         raise UserError(f"no checkpoint at {path}; run without resume=true, or pass ckpt_path=FILE")
+    if path.is_dir():  # DeepSpeed writes a directory of shards; its engine validates them on load
+        return str(path)
     try:
         torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -151,10 +156,10 @@ def train(cfg: DictConfig) -> dict:
 
     ckpt_path = checkpoint_to_resume(cfg, out)
     dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
+    head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
     data = DraftDataModule(dcfg, target, cfg.seed)
-    data.prepare()
-    counts = data.token_counts()
-    head = make_head(cfg, target, counts)
+    data.prepare(head.feature_layers)
+    init_head(head, data.token_counts())
     if dcfg.cache_features:
         data.cache_features(head.feature_layers)
     init_state = {k: v.detach().clone() for k, v in head.state_dict().items()}  # the untrained baseline
@@ -164,13 +169,15 @@ def train(cfg: DictConfig) -> dict:
     module = DraftModule(head, target, loss, optim, ecfg)
     trainer = build_trainer(cfg, out)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+    from train.strategies import consolidated_head  # lazy: imports Lightning's DeepSpeed strategy
+
+    head = consolidated_head(trainer, module.head)  # whole fp32 weights under any strategy; every rank must call
     if not trainer.is_global_zero:
         return {}
 
-    head = module.head.float()
     save_head(head, out / "head", target.identity(),
               extra={"train": {"data": dcfg.name, "steps": trainer.global_step, "loss": asdict(loss)}})
-    untrained = make_head(cfg, target, None, state=init_state)
+    untrained = make_head(cfg, target, state=init_state)
     temps = [float(ecfg.temperature)] + [float(t) for t in ecfg.extra_temperatures if float(t) != ecfg.temperature]
     measured = measure({"trained": head, "untrained": untrained}, target, data.eval_loader(), temps,
                        ecfg.top_k, ecfg.top_p)

@@ -37,6 +37,7 @@ class Record:
     prompt_ids: list[int] | None = None  # pre-tokenised: prompt_ids + token_ids, token_ids trained
     token_ids: list[int] | None = None
     where: str = ""  # "file:line" for error messages
+    features: dict | None = None  # target hidden states k -> [T, H] kept from generation (never saved)
 
     @property
     def needs_answer(self) -> bool:

@@ -1,0 +1,104 @@
+"""α and τ against brute force on small distributions; a head that copies the target is accepted always."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from heads.base import DraftHead, HeadOutput
+from heads.losses import alpha, alpha_sums, tau_predicted
+from heads.sampling import probs_from_logits
+
+
+def brute_processed(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """The sampler's distribution, written out element by element (no tensors)."""
+    V = len(logits)
+    if temperature == 0:
+        best = max(range(V), key=lambda i: (logits[i], -i))
+        return [1.0 if i == best else 0.0 for i in range(V)]
+    z = [x / temperature for x in logits]
+    keep = set(range(V))
+    if top_k:
+        keep = set(sorted(range(V), key=lambda i: -z[i])[:top_k])
+    weights = {i: torch.tensor(z[i]).exp().item() for i in keep}
+    if top_p < 1.0:
+        total = sum(weights.values())
+        kept, mass = set(), 0.0
+        for i in sorted(weights, key=lambda i: -weights[i]):
+            if mass >= top_p:
+                break
+            kept.add(i)
+            mass += weights[i] / total
+        weights = {i: w for i, w in weights.items() if i in kept}
+    total = sum(weights.values())
+    return [weights.get(i, 0.0) / total for i in range(V)]
+
+
+def brute_accept_probability(p: list[float], q: list[float]) -> float:
+    """Speculative sampling: draft x ~ q, accept with min(1, p(x)/q(x)); summed over every x."""
+    return sum(qx * min(1.0, px / qx) for px, qx in zip(p, q) if qx > 0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8),
+                                                      (1.0, 4, 0.6)])
+def test_alpha_matches_brute_force(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        target_logits, draft_logits = torch.randn(2, 6, generator=g) * 2
+        p = brute_processed(target_logits.tolist(), temperature, top_k, top_p)
+        q = brute_processed(draft_logits.tolist(), temperature, top_k, top_p)
+        got = alpha(probs_from_logits(target_logits, temperature, top_k, top_p),
+                    probs_from_logits(draft_logits, temperature, top_k, top_p))
+        assert got.item() == pytest.approx(brute_accept_probability(p, q), abs=1e-5)
+
+
+def test_tau_matches_enumeration():
+    """τ(γ): expected tokens per target pass when draft k is accepted with probability α_k given all before were."""
+    alphas = [0.8, 0.6, 0.5, 0.3]
+    for gamma in range(1, len(alphas) + 1):
+        expected = 0.0
+        for outcome in itertools.product([True, False], repeat=gamma):  # draft k accepted or not, independently
+            prob = 1.0
+            for k, ok in enumerate(outcome):
+                prob *= alphas[k] if ok else 1 - alphas[k]
+            accepted = next((k for k, ok in enumerate(outcome) if not ok), gamma)  # the chain stops at a rejection
+            expected += prob * (accepted + 1)  # accepted drafts + the target's own token
+        assert tau_predicted(alphas)[gamma] == pytest.approx(expected)
+
+
+class CopyHead(DraftHead):
+    """Step k at anchor t emits the target's own logits for t+k: the perfect draft."""
+
+    family = "copy"
+
+    def forward(self, feats, num_steps=None):
+        T = feats.target_logits.shape[1]
+        out = []
+        for k in range(1, self.num_steps + 1):
+            shifted = torch.cat([feats.target_logits[:, k:], feats.target_logits[:, -1:].expand(-1, k, -1)], dim=1)
+            out.append(shifted[:, :T])
+        return HeadOutput(out)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
+def test_copying_head_has_alpha_one(tiny_target, temperature, top_k, top_p):
+    ids = torch.randint(0, tiny_target.dims.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, :3] = False
+    feats = tiny_target.features(ids, mask)
+    head = CopyHead(tiny_target.dims, num_steps=3)
+    sums, counts = alpha_sums(head, head(feats), feats, temperature, top_k, top_p)
+    assert counts == [int(mask[:, k:].sum()) for k in (1, 2, 3)]
+    for s, c in zip(sums, counts):
+        assert s / c == pytest.approx(1.0, abs=1e-5)
+
+
+def test_wrong_head_is_not_accepted(tiny_target):
+    """The opposite check: a head that copies the target one position late is (almost) never accepted at T=0."""
+    ids = torch.randint(0, tiny_target.dims.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    feats = tiny_target.features(ids)
+    head = CopyHead(tiny_target.dims, num_steps=2)
+    late = HeadOutput([torch.roll(x, 1, dims=1) for x in head(feats).logits])
+    sums, counts = alpha_sums(head, late, feats, 0.0)
+    assert sums[0] / counts[0] < 0.3
