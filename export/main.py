@@ -40,21 +40,44 @@ log = logging.getLogger("export")
 METADATA = "draftheads_export.json"
 
 
-def measurements(head_path: Path, head_config: dict) -> tuple[dict, dict]:
-    """serve/'s recommended settings (in the head's config or a recommended.json beside it) and train/'s
-    acceptance.json (DIR/acceptance.json next to DIR/head), each {} when absent."""
-    recommended = dict(head_config.get("recommended") or {})
+SETTING_KEYS = ("gamma", "tree", "tree_paths", "tree_depth", "tree_top_k", "tree_total_tokens", "temperature")
+
+
+def from_bench(path: Path) -> dict:
+    """serve/'s bench.json -> the settings it ran with and what it measured (τ, per-position acceptance, speed)."""
+    bench = json.loads(path.read_text())
+    settings = bench.get("settings", {})
+    out = {k: settings[k] for k in SETTING_KEYS if settings.get(k) is not None}
+    out.update({k: bench[k] for k in ("tau_measured", "tokens_per_s", "accept_rate_per_position") if k in bench})
+    if (bench.get("auto") or {}).get("predicted"):
+        out["predicted"] = bench["auto"]["predicted"]
+    return {**out, "source": str(path.resolve())}
+
+
+def measurements(head_path: Path, head_config: dict, bench: str | None = None) -> tuple[dict, dict]:
+    """(recommended, acceptance), each {} when absent.
+
+    recommended: serve/'s measured settings, from ``bench`` (a bench.json path), else a ``recommended`` block in the
+    head's config.json, else recommended.json or bench.json in DIR/head or DIR. acceptance: train/'s
+    acceptance.json in DIR/head or DIR (train/ writes it next to DIR/head).
+    """
+    recommended = from_bench(Path(bench)) if bench else dict(head_config.get("recommended") or {})
     acceptance: dict = {}
     for folder in (head_path, head_path.parent):
         if not recommended and (folder / "recommended.json").exists():
             recommended = json.loads((folder / "recommended.json").read_text())
+        if not recommended and (folder / "bench.json").exists():
+            recommended = from_bench(folder / "bench.json")
         if not acceptance and (folder / "acceptance.json").exists():
             acceptance = json.loads((folder / "acceptance.json").read_text())
     return recommended, acceptance
 
 
 def resolve_gamma(requested, head, recommended: dict) -> int:
-    gamma = requested or recommended.get("num_speculative_tokens") or recommended.get("gamma") or head.num_steps
+    """γ: asked for, else serve/'s (a chain's gamma, or a tree's depth), else the steps the head was trained for."""
+    tree_depth = recommended.get("tree_depth") or max((len(p) for p in recommended.get("tree_paths") or []), default=0)
+    gamma = (requested or recommended.get("num_speculative_tokens") or recommended.get("gamma") or tree_depth
+             or head.num_steps)
     return min(int(gamma), head.max_draft_steps or int(gamma))
 
 
@@ -110,7 +133,7 @@ def metadata(fmt: str, ctx: ExportContext, head_path: Path, written_config: dict
 
 
 def prepare(head_path, fmt: str, target_path: str | None = None, target_dtype: str = "float32",
-            dtype: str | None = None, num_speculative_tokens: int | None = None):
+            dtype: str | None = None, num_speculative_tokens: int | None = None, bench: str | None = None):
     """Load the head and its target and resolve everything a format needs: (format module, ExportContext).
     Refuses (ExportRefused) before loading the target when the format cannot carry the head's family."""
     head_path = Path(head_path)
@@ -119,7 +142,7 @@ def prepare(head_path, fmt: str, target_path: str | None = None, target_dtype: s
     target_name = head_config.get("target", {}).get("name", "tiny-random")
     target = load_target(target_name, path=target_path, dtype=target_dtype)
     head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
-    recommended, acceptance = measurements(head_path, head_config)
+    recommended, acceptance = measurements(head_path, head_config, bench)
     ctx = ExportContext(
         head=head.eval(), head_config=head_config, target_identity=target.identity(),
         target_path=resolve_target_path(target_name, target_path),
@@ -136,7 +159,7 @@ def export(cfg) -> Path:
         cfg = OmegaConf.create(cfg)
     head_path, out = Path(cfg.head_path), Path(cfg.out)
     module, ctx = prepare(head_path, cfg.format, cfg.get("target_path"), cfg.get("target_dtype", "float32"),
-                          cfg.get("dtype"), cfg.get("num_speculative_tokens"))
+                          cfg.get("dtype"), cfg.get("num_speculative_tokens"), cfg.get("bench"))
     head, target = ctx.head, ctx.target
     written = module.write(ctx)
     tmp = out.with_name(out.name + ".tmp")

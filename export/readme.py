@@ -18,7 +18,7 @@ ENGINES = {
 
 def summarize_acceptance(acceptance: dict) -> list[str]:
     lines = []
-    for key in ("alpha", "alpha_per_step", "tau", "tau_predicted", "accept_length"):
+    for key in ("temperature", "alpha", "tau", "tau_predicted", "alpha_untrained", "num_tokens"):
         if key in acceptance:
             lines.append(f"- {key}: {json.dumps(acceptance[key])}")
     return lines or [f"- {json.dumps(acceptance)}"]
@@ -57,7 +57,8 @@ def render_readme(fmt: str, module, ctx: ExportContext, meta: dict, out: str) ->
                   "convention, fc re-laid to match).", ""]
     lines += ["## Drafting settings", "", f"- num_speculative_tokens (γ): {ctx.gamma}"]
     if ctx.recommended:
-        lines += [f"- recommended by serve/: {json.dumps(ctx.recommended)}"]
+        shown = {k: v for k, v in ctx.recommended.items() if k not in ("tree_paths", "predicted")}
+        lines += [f"- measured by serve/: {json.dumps(shown)}"]
     else:
         lines += ["- serve/ has not measured this head yet; γ is the number of steps it was trained for"]
     if ctx.acceptance:

@@ -135,19 +135,26 @@ def test_bfloat16_export(tiny_target, head_dir, run_export, tmp_path):
     assert {v.dtype for k, v in t.items() if k != "d2t"} == {torch.bfloat16} and t["d2t"].dtype == torch.int64
 
 
-def test_measured_settings_travel_with_the_export(tiny_target, head_dir, run_export, tmp_path):
+@pytest.mark.parametrize("source", ["config", "bench"])
+def test_measured_settings_travel_with_the_export(tiny_target, head_dir, run_export, tmp_path, source):
     head_path, _ = head_dir(tiny_target, "medusa", num_steps=4)
-    config = json.loads((head_path / "config.json").read_text())
-    config["recommended"] = {"num_speculative_tokens": 2, "tree": [[0], [0, 0]]}  # as serve/ may write it
-    (head_path / "config.json").write_text(json.dumps(config))
-    (head_path.parent / "acceptance.json").write_text(json.dumps({"alpha": [0.61, 0.4, 0.3, 0.2], "tau": 2.1}))
+    if source == "config":  # a `recommended` block in the head's config.json
+        config = json.loads((head_path / "config.json").read_text())
+        config["recommended"] = {"num_speculative_tokens": 2, "tree": "static", "tree_paths": [[0], [0, 0]]}
+        (head_path / "config.json").write_text(json.dumps(config))
+    else:  # serve/'s bench.json (serve/main.py's schema) beside DIR/head
+        (head_path.parent / "bench.json").write_text(json.dumps(
+            {"tau_measured": 1.8, "tokens_per_s": 50.0, "settings": {"gamma": 2, "temperature": 0.0}}))
+    (head_path.parent / "acceptance.json").write_text(json.dumps(  # train/acceptance.py's schema
+        {"temperature": 0.0, "alpha": [0.61, 0.4, 0.3, 0.2], "tau_predicted": 2.1, "num_tokens": 900}))
     out = run_export(head_path, "vllm", tmp_path / "vllm")
     cfg, t = read(out, "vllm")
     assert cfg["num_heads"] == 2 and "lm_heads.2.weight" not in t  # vLLM drafts with every head it loads
     meta = json.loads((out / "draftheads_export.json").read_text())
-    assert meta["recommended"]["tree"] == [[0], [0, 0]] and meta["acceptance"]["tau"] == 2.1
+    assert meta["num_speculative_tokens"] == 2 and meta["acceptance"]["tau_predicted"] == 2.1
+    assert meta["recommended"].get("tree_paths" if source == "config" else "tau_measured") in ([[0], [0, 0]], 1.8)
     readme = (out / "README.md").read_text()
-    assert "'num_speculative_tokens': 2" in readme and "tau: 2.1" in readme
+    assert "'num_speculative_tokens': 2" in readme and "tau_predicted: 2.1" in readme
 
 
 def test_medusa_with_independent_layers_goes_to_vllm_only(tiny_target, head_dir, run_export, tmp_path):
