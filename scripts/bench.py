@@ -1,0 +1,322 @@
+"""Side-by-side decoding speed on one target: HF generate, HF prompt lookup, HF assistant early exit, this runner
+vanilla, and this runner with each head (chain, and tree where the family has one), at greedy and T=1.
+
+    python scripts/bench.py --heads runs/eagle3 runs/eagle runs/medusa runs/mtp --out bench_out
+    python scripts/bench.py --quick --target tiny-random --out /tmp/bench   # smoke test: untrained heads, seconds
+
+Every method decodes the same Spec-Bench subset (--per-task prompts from each of its six tasks, first turn,
+chat-templated), interleaved prompt by prompt so load on the machine hits all methods alike. γ and tree sizes come
+from serve/auto.py (the head's acceptance.json α and the costs r(n), c measured here). Reported per method:
+tokens/s, ratio to HF generate and to the runner's vanilla loop, τ measured, τ predicted from acceptance.json's α,
+and the predicted-bound efficiency = measured speedup over vanilla ÷ (τ from the run's own acceptance per position
+÷ (r(n) + calls·c)). Writes OUT/bench.json, OUT/bench.md (with date and machine) and OUT/bench.png.
+Missing heads can be trained first (--train FAMILY...: runs train/main.py as a subprocess).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from heads import build_head
+from heads.checkpoint import check_target, load_head
+from heads.losses import tau_predicted
+from heads.target import load_target, shared_dir
+from serve import auto
+from serve.generate import Decoder, Sampling, Stats, generate
+from serve.main import load_prompts, make_tree, stop_ids
+from serve.model import Transformer
+from serve.tree import MEDUSA_TREE
+
+ROOT = Path(__file__).resolve().parent.parent
+TREES = {"medusa": "static", "eagle": "dynamic", "eagle3": "dynamic"}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--heads", nargs="*", default=[], help="head dirs (DIR or DIR/head) with acceptance.json beside")
+    p.add_argument("--untrained", nargs="*", default=[], help="families to add as untrained heads (smoke tests)")
+    p.add_argument("--train", nargs="*", default=[], help="families to train first with train/main.py")
+    p.add_argument("--train-overrides", nargs="*", default=[], help="extra train/main.py overrides")
+    p.add_argument("--prompts", default=str(shared_dir() / "data/eval/spec_bench/question.jsonl"))
+    p.add_argument("--per-task", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--early-exit-layer", type=int, default=None, help="HF assistant_early_exit (default L/4)")
+    p.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="1 prompt per task, 16 tokens, greedy only")
+    p.add_argument("--out", default="bench_out")
+    args = p.parse_args()
+    if args.quick:
+        args.per_task, args.max_new_tokens, args.temperatures = 1, 16, [0.0]
+        if not args.heads and not args.untrained:
+            args.untrained = ["medusa", "eagle", "eagle3", "mtp"]
+    return args
+
+
+def train_heads(args, out: Path) -> list[str]:
+    dirs = []
+    for family in args.train:
+        run = out / "heads" / family
+        if not (run / "head" / "config.json").exists():
+            cmd = [sys.executable, "train/main.py", f"head={family}", f"target={args.target}", "logger=none",
+                   f"hydra.run.dir={run}", *args.train_overrides]
+            print("training:", " ".join(cmd), flush=True)
+            subprocess.run(cmd, cwd=ROOT, check=True)
+        dirs.append(str(run))
+    return dirs
+
+
+def load_heads(args, dirs, target, model) -> list[dict]:
+    heads = []
+    for d in dirs:
+        path = Path(d)
+        path = path / "head" if (path / "head" / "config.json").exists() else path
+        head, config = load_head(path, device=str(model.device))
+        check_target(config, target.identity())
+        heads.append({"head": head, "dir": path, "label": f"{head.family}"})
+    for family in args.untrained:
+        head = build_head(family, target.dims, num_steps=3)
+        head.attach_target(model.embed_tokens, model.lm_head, model.norm)
+        head.init_from_target()
+        heads.append({"head": head, "dir": None, "label": f"{family} (untrained)"})
+    for h in heads:
+        h["head"].attach_target(model.embed_tokens, model.lm_head, model.norm)
+        h["head"].to(model.dtype).eval().requires_grad_(False)
+    return heads
+
+
+def alphas_for(h, temperature):
+    if h["dir"] is None:
+        return None
+    try:
+        return auto.read_alphas(auto.find_acceptance(h["dir"]), temperature)[0]
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def settings_for(h, alphas, costs) -> list[dict]:
+    """The chain and (where the family has one) the tree the runner would pick; defaults without α."""
+    head, family = h["head"], h["head"].family
+    steps = head.max_draft_steps
+    tree = TREES.get(family)
+    if alphas is None:
+        out = [{"gamma": min(3, steps or 3)}]
+        if tree == "static":
+            paths = [p for p in MEDUSA_TREE if len(p) <= min(3, steps)]
+            out.append({"tree": "static", "tree_paths": paths, "tree_depth": max(map(len, paths)),
+                        "tree_total_tokens": len(paths)})
+        elif tree == "dynamic":
+            out.append({"tree": "dynamic", "tree_depth": 4, "tree_top_k": 4, "tree_total_tokens": 16})
+        return out
+    rows = auto.candidates(family, steps, alphas, tree)
+    best = lambda cands: max(cands, key=lambda s: auto.predict(s, alphas, costs["r"], costs["c"])["speedup_predicted"])
+    out = [best([s for s in rows if "gamma" in s])]
+    if tree:
+        out.append(best([s for s in rows if "tree" in s]))
+    return out
+
+
+def describe(s: dict) -> str:
+    if "gamma" in s:
+        return f"chain γ={s['gamma']}"
+    if s["tree"] == "static":
+        return f"static tree {s['tree_total_tokens']} nodes, depth {s['tree_depth']}"
+    return f"dynamic tree {s['tree_total_tokens']} nodes, depth {s['tree_depth']}, top-{s['tree_top_k']}"
+
+
+def predicted(s, rates, costs) -> dict:
+    """τ and speedup predicted from per-position acceptance ``rates`` (chain formula) and the measured costs."""
+    depth = s.get("gamma") or s["tree_depth"]
+    rates = [r if r is not None else 0.0 for r in rates[:depth]] + [0.0] * max(0, depth - len(rates))
+    tau = tau_predicted(rates)[depth]
+    n = s["gamma"] + 1 if "gamma" in s else s["tree_total_tokens"] + 1
+    cost = auto.interpolate(costs["r"], n) + depth * costs["c"]
+    return {"tau": tau, "speedup": tau / cost}
+
+
+def hf_runner(target, kind, args, stops):
+    L = target.dims.num_layers
+    extra = {"hf_generate": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": args.prompt_lookup},
+             "hf_early_exit": {"assistant_early_exit": args.early_exit_layer or max(1, L // 4)}}[kind]
+
+    def run(prompt, temperature, seed):
+        torch.manual_seed(seed)
+        ids = prompt[None]
+        sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+            dict(do_sample=False)
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                    eos_token_id=sorted(stops), pad_token_id=target.tokenizer.pad_token_id,
+                                    **sample, **extra)
+        return out[0, ids.shape[1]:].tolist(), None
+
+    return run
+
+
+def our_runner(model, head, setting, stops, max_new_tokens):
+    tree = make_tree(setting, model.device) if "tree" in setting else None
+    decoders = {}
+
+    def run(prompt, temperature, seed):
+        if temperature not in decoders:
+            decoders[temperature] = Decoder(model, head, Sampling(temperature), gamma=setting.get("gamma", 0),
+                                            tree=tree)
+        dec = decoders[temperature]
+        dec.generator.manual_seed(seed)
+        return generate(dec, prompt, max_new_tokens, stops)
+
+    return run
+
+
+def machine() -> dict:
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"platform": platform.platform(), "cpu": cpu, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head_dirs = list(args.heads) + train_heads(args, out)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(args.target, dtype="bfloat16" if device == "cuda" else "float32", device=device)
+    model = Transformer.from_hf(target.model)  # shares the HF model's weights
+    heads = load_heads(args, head_dirs, target, model)
+    prompts = load_prompts(args.prompts, target.tokenizer, per_category=args.per_task)
+    stops = stop_ids(target.tokenizer, target.model.config)
+
+    sizes = sorted(set(range(1, 10)) | {17, 25, 33, 49, 65})
+    for h in heads:
+        h["costs"] = auto.measure_costs(model, h["head"], sizes)
+    results = {}
+    for T in args.temperatures:
+        methods = {k: {"run": hf_runner(target, k, args, stops)} for k in
+                   ("hf_generate", "hf_prompt_lookup", "hf_early_exit")}
+        methods["vanilla"] = {"run": our_runner(model, None, {"gamma": 0}, stops, args.max_new_tokens)}
+        for h in heads:
+            alphas = alphas_for(h, T)
+            for s in settings_for(h, alphas, h["costs"]):
+                name = f"{h['label']}: {describe(s)}"
+                methods[name] = {"run": our_runner(model, h["head"], s, stops, args.max_new_tokens), "setting": s,
+                                 "head": h, "alphas": alphas}
+        for m in methods.values():
+            m.update(tokens=0, seconds=0.0, stats=Stats())
+            m["run"](torch.tensor(prompts[0]["prompt_ids"][:32], device=device), T, 0)  # warm-up
+        for i, p in enumerate(prompts):
+            prompt = torch.tensor(p["prompt_ids"], device=device)
+            for name, m in methods.items():
+                t0 = time.perf_counter()
+                tokens, stats = m["run"](prompt, T, i)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                m["seconds"] += time.perf_counter() - t0
+                m["tokens"] += len(tokens)
+                if stats is not None:
+                    m["stats"].merge(stats)
+            print(f"T={T} prompt {i + 1}/{len(prompts)} done", flush=True)
+        results[T] = summarise(methods)
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "command": " ".join(sys.argv), "target": args.target, "prompts": len(prompts),
+              "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
+              "costs": {h["label"]: h["costs"] for h in heads},
+              "results": {str(T): rows for T, rows in results.items()}}
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.md").write_text(markdown(report))
+    plot(report, out / "bench.png")
+    print((out / "bench.md").read_text())
+
+
+def summarise(methods) -> list[dict]:
+    tps = {n: m["tokens"] / m["seconds"] for n, m in methods.items()}
+    rows = []
+    for name, m in methods.items():
+        row = {"method": name, "tokens": m["tokens"], "seconds": m["seconds"], "tokens_per_s": tps[name],
+               "x_hf_generate": tps[name] / tps["hf_generate"], "x_vanilla": tps[name] / tps["vanilla"]}
+        if "setting" in m:
+            s, summary = m["setting"], m["stats"].summary()
+            rates = summary["accept_rate_per_position"]
+            pred = predicted(s, rates, m["head"]["costs"])
+            row.update(setting={k: v for k, v in s.items() if k != "tree_paths"},
+                       tau_measured=summary["tau_measured"], accept_rate_per_position=rates,
+                       tau_predicted_from_alpha=predicted(s, m["alphas"], m["head"]["costs"])["tau"]
+                       if m["alphas"] else None,
+                       tau_predicted_from_measured=pred["tau"], speedup_predicted=pred["speedup"],
+                       efficiency=row["x_vanilla"] / pred["speedup"])
+        elif name == "vanilla":
+            row["tau_measured"] = 1.0
+        rows.append(row)
+    return rows
+
+
+def markdown(report) -> str:
+    m = report["machine"]
+    lines = [f"# Decoding speed on {report['target']}", "",
+             f"{report['date']} · {m['cpu'] or m['platform']} · {m['threads']} threads · torch {m['torch']}"
+             f"{' · ' + m['gpu'] if m['gpu'] else ''} · {report['prompts']} Spec-Bench prompts "
+             f"({report['per_task']} per task) · {report['max_new_tokens']} new tokens", "",
+             f"`{report['command']}`", ""]
+    fmt = lambda v, spec: "" if v is None else format(v, spec)
+    for T, rows in report["results"].items():
+        lines += [f"## temperature {T}", "",
+                  "| method | tokens/s | × HF generate | × vanilla | τ measured | τ predicted (α) | "
+                  "predicted × | efficiency |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['x_hf_generate']:.2f} | "
+                         f"{r['x_vanilla']:.2f} | {fmt(r.get('tau_measured'), '.2f')} | "
+                         f"{fmt(r.get('tau_predicted_from_alpha'), '.2f')} | "
+                         f"{fmt(r.get('speedup_predicted'), '.2f')} | {fmt(r.get('efficiency'), '.0%')} |")
+        lines.append("")
+    lines += ["τ predicted (α): from the head's acceptance.json. predicted ×: speedup over vanilla predicted from this "
+              "run's own acceptance per position and the measured r(n), c; efficiency = measured × vanilla ÷ "
+              "predicted ×.", ""]
+    return "\n".join(lines)
+
+
+def plot(report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = list(report["results"])
+    fig, axes = plt.subplots(2, len(temps), figsize=(6.5 * len(temps), 8), squeeze=False)
+    for j, T in enumerate(temps):
+        rows = report["results"][T]
+        names = [r["method"] for r in rows]
+        y = range(len(rows))
+        ax = axes[0][j]
+        ax.barh(y, [r["x_hf_generate"] for r in rows], color="tab:blue")
+        ax.axvline(1.0, color="grey", lw=0.8)
+        ax.set_yticks(list(y), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("speedup over HF generate")
+        ax.set_title(f"T={T}")
+        ax = axes[1][j]
+        ax.barh([i - 0.2 for i in y], [r.get("tau_measured") or 0 for r in rows], 0.4, label="τ measured")
+        ax.barh([i + 0.2 for i in y], [r.get("tau_predicted_from_alpha") or 0 for r in rows], 0.4,
+                label="τ predicted from α")
+        ax.set_yticks(list(y), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens per target pass")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report['target']}: {report['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
