@@ -12,6 +12,7 @@ what the native checkpoint and the final acceptance measurement use, whatever th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 
 import torch
@@ -56,6 +57,22 @@ class DeepSpeedStrategy(_LightningDeepSpeed):
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self._init_deepspeed_distributed()
+
+    # DeepSpeed's bf16/fp16 mode casts the head and the batch's float tensors (cached target features) to half
+    # precision but, unlike Lightning's DDP mixed precision, runs no autocast: the frozen target, which DeepSpeed never
+    # sees, would meet half-precision activations in its fp32 lm_head or norm. Autocast around each step lets fp32
+    # and half tensors meet, as under DDP; the fp32 master weights stay in DeepSpeed's optimizer.
+    def _autocast(self):
+        dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.precision_plugin.precision)
+        return torch.autocast(self.root_device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def training_step(self, *args, **kwargs):
+        with self._autocast():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args, **kwargs):
+        with self._autocast():
+            return super().validation_step(*args, **kwargs)
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         if not self._on_cpu():
