@@ -45,21 +45,35 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
     """Masked mean loss per step, weighted step_decay**(k-1), and α per step at ``temperature``.
 
     Returns (loss, {"loss@k": ..., "alpha@k": ..., "count@k": ...} for k = 1..K, plus aux losses).
+    α here equals ``alpha_sums``' (q is zero outside a reduced draft vocabulary, so Σ_x min(p, q) only needs p on
+    the draft columns and the target's full normaliser) without building [N, V] probability tensors per step:
+    training calls this every batch, and on a 49k vocabulary those dominated the step.
     """
     total = 0.0
     stats: dict[str, torch.Tensor] = {}
+    V = feats.target_logits.shape[-1]
+    cols = head.from_target_vocab(torch.arange(V, device=feats.target_logits.device))  # [V_draft] target ids
+    with torch.no_grad():
+        if temperature > 0:
+            lse = (feats.target_logits.float() / temperature).logsumexp(-1)  # [B, T] full-vocab normaliser
+        else:
+            best = feats.target_logits.argmax(-1)  # [B, T]
     for k, logits in enumerate(out.logits, start=1):
         draft, target, mask = shift_pair(logits, feats.target_logits, feats.loss_mask, k)
-        draft, target = draft[mask], target[mask]  # [N, V_draft], [N, V]
         count = mask.sum()
         if count == 0:
             continue
         # A reduced draft vocabulary learns the target's distribution restricted (renormalised) to that vocabulary.
-        step_loss = distill_loss(draft, head.from_target_vocab(target), kind).mean()
+        target = target if cols.numel() == V else target.index_select(-1, cols)  # [B, T-k, V_draft]
+        draft, target = draft[mask], target[mask]  # [N, V_draft]
+        step_loss = distill_loss(draft, target, kind).mean()
         total = total + step_decay ** (k - 1) * step_loss
         with torch.no_grad():
-            a = alpha(probs_from_logits(target, temperature),
-                      probs_from_logits(head.to_target_vocab(draft.detach()), temperature))
+            if temperature > 0:
+                target_probs = (target.float() / temperature - lse[:, k:][mask][:, None]).exp()
+                a = alpha(target_probs, (draft.detach().float() / temperature).softmax(-1))
+            else:
+                a = (cols[draft.argmax(-1)] == best[:, k:][mask]).float()
         stats[f"loss@{k}"] = step_loss.detach()
         stats[f"alpha@{k}"] = a.mean()
         stats[f"count@{k}"] = count

@@ -102,3 +102,28 @@ def test_wrong_head_is_not_accepted(tiny_target):
     late = HeadOutput([torch.roll(x, 1, dims=1) for x in head(feats).logits])
     sums, counts = alpha_sums(head, late, feats, 0.0)
     assert sums[0] / counts[0] < 0.3
+
+
+@pytest.mark.parametrize("name", ["eagle3", "medusa"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_training_alpha_equals_alpha_sums(name, temperature, tiny_target):
+    """head_loss' fast α (no [N, V] tensors) is the same number alpha_sums computes over the target vocabulary."""
+    from heads import build_head
+    from heads.losses import head_loss
+
+    head = build_head(name, tiny_target.dims, num_steps=3, **({"draft_vocab_size": 100} if name == "eagle3" else {}))
+    head.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
+    if name == "eagle3":
+        head.set_vocab_map(torch.rand(tiny_target.dims.vocab_size, generator=torch.Generator().manual_seed(0)))
+    head.init_from_target()
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tiny_target.dims.vocab_size, (3, 40), generator=g)
+    feats = tiny_target.features(ids, torch.rand(3, 40, generator=g) > 0.3, layers=head.feature_layers)
+    out = head(feats)
+    _, stats = head_loss(head, out, feats, temperature=temperature)
+    sums, counts = alpha_sums(head, out, feats, temperature)
+    for k in (1, 2, 3):
+        assert stats[f"alpha@{k}"].item() == pytest.approx(sums[k - 1] / counts[k - 1], abs=1e-5)
+        assert int(stats[f"count@{k}"]) == counts[k - 1]
