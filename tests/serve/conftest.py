@@ -126,3 +126,31 @@ def smollm2_target():
     from heads.target import load_target
 
     return load_target("smollm2-135m")
+
+
+class NoisyTargetHead(OracleHead):
+    """Wraps a real head but drafts from the target's own next-token logits plus Gaussian noise (recomputed
+    with a full HF forward over the sequence and the drafts so far): q close to p, so drafts are often kept
+    under sampling, and the real head's cache code still runs alongside."""
+
+    def __init__(self, head, hf_model, prompt: list[int], noise: float = 1.0, seed: int = 0):
+        super().__init__(head, [], 0.0, seed)
+        self.hf_model, self.noise = hf_model, noise
+        self.tokens = list(prompt[:1])  # the rest arrives through commit's next_tokens
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def target_logits(self, seq: list[int]):
+        logits = self.hf_model(torch.tensor([seq])).logits[0, -1].float()
+        return logits + self.noise * torch.randn(logits.shape, generator=self.generator)
+
+    def commit(self, cache, hidden, next_tokens, start):
+        _, state = self.head.commit(cache, hidden, next_tokens, start)
+        self.tokens = self.tokens[: start + 1] + next_tokens[0].tolist()
+        self.drafted = []
+        return self.target_logits(self.tokens)[None], state
+
+    def step(self, cache, state, token, depth):
+        _, state = self.head.step(cache, state, token, depth)
+        self.drafted = self.drafted[: depth - 2] + [int(token)]
+        return self.target_logits(self.tokens + self.drafted)[None], state

@@ -9,7 +9,7 @@ import torch
 from heads import HEADS
 from serve.generate import Decoder, Sampling, generate
 from serve.tree import MEDUSA_TREE, DynamicTree, StaticTree
-from tests.serve.conftest import OracleHead, assert_same_greedy, hf_greedy, perturbed_head, runner_model
+from tests.serve.conftest import NoisyTargetHead, OracleHead, assert_same_greedy, hf_greedy, perturbed_head, runner_model
 
 FAMILIES = sorted(HEADS)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,3 +108,29 @@ def test_gamma_beyond_head_steps_is_refused(chaotic_target):
     head = perturbed_head("medusa", chaotic_target, model, num_steps=2)
     with pytest.raises(ValueError, match="exceeds"):
         Decoder(model, head, gamma=3)
+
+
+@pytest.mark.slow  # ~3 HF forwards per round for the noisy drafts
+def test_sampled_acceptance_matches_alpha(chaotic_target, family="eagle"):
+    """Under sampling, how often position k is kept must match Σ min(p_k, q_k) at the same positions (within
+    sampling error). This holds only if verify receives the very q each draft was drawn from and the right p:
+    a misaligned q or p would still give exact greedy output but break this. (The drafts come from the wrapper,
+    so one family covers the loop's bookkeeping.)"""
+    model = runner_model(chaotic_target)
+    real = perturbed_head(family, chaotic_target, model)
+    total = None
+    for seed in range(3):
+        prompt = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(seed))
+        head = NoisyTargetHead(real, chaotic_target.model, prompt.tolist(), seed=seed)
+        _, stats = generate(Decoder(model, head, Sampling(1.0, 8, 1.0), gamma=3, seed=seed), prompt, 100)
+        if total is None:
+            total = stats
+        else:
+            total.merge(stats)
+    s = total.summary()
+    for rate, alpha, n in zip(s["accept_rate_per_position"], s["alpha_per_position"], s["reached_per_position"]):
+        if n < 30:
+            continue
+        sigma = max(alpha * (1 - alpha), 0.02) ** 0.5 / n ** 0.5
+        assert abs(rate - alpha) < 4 * sigma, (s["accept_rate_per_position"], s["alpha_per_position"], n)
+    assert s["reached_per_position"][2] >= 30 and 0.2 < s["alpha_per_position"][0] < 0.95  # not a trivial case

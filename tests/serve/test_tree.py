@@ -62,8 +62,15 @@ def test_static_tree_greedy_tokens(chaotic_target):
     for i, p in enumerate(st.paths, start=1):
         assert int(tree.tokens[i]) == int(torch.topk(per_depth[len(p) - 1], p[-1] + 1).indices[-1])
         assert st.parents[i] == (0 if len(p) == 1 else st.paths.index(p[:-1]) + 1)
-    sampled = st.draft(head, cache, logits, state, Sampling(1.0), torch.Generator().manual_seed(0))
+    sampling = Sampling(1.0, top_k=20)
+    sampled = st.draft(head, cache, logits, state, sampling, torch.Generator().manual_seed(0))
     assert sampled.scheme == "without_replacement" and sampled.draft_probs.shape == (len(paths) + 1, logits.shape[-1])
+    for j in range(len(st.parents)):  # row j: the distribution node j's children were drawn from
+        depth = int(st.depths[j])
+        if depth < 3:
+            torch.testing.assert_close(sampled.draft_probs[j], sampling.probs(per_depth[depth]))
+    for i in range(1, len(st.parents)):
+        assert sampled.draft_probs[st.parents[i], sampled.tokens[i]] > 0
     for i in range(len(st.parents)):  # without replacement: siblings differ
         sib = [int(sampled.tokens[j]) for j in range(1, len(st.parents)) if st.parents[j] == i]
         assert len(sib) == len(set(sib))
