@@ -53,18 +53,18 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
     stats: dict[str, torch.Tensor] = {}
     V = feats.target_logits.shape[-1]
     cols = head.from_target_vocab(torch.arange(V, device=feats.target_logits.device))  # [V_draft] target ids
+    # A reduced draft vocabulary learns the target's distribution restricted (renormalised) to that vocabulary.
+    target_draft = feats.target_logits if cols.numel() == V else feats.target_logits.index_select(-1, cols)
     with torch.no_grad():
         if temperature > 0:
             lse = (feats.target_logits.float() / temperature).logsumexp(-1)  # [B, T] full-vocab normaliser
         else:
             best = feats.target_logits.argmax(-1)  # [B, T]
     for k, logits in enumerate(out.logits, start=1):
-        draft, target, mask = shift_pair(logits, feats.target_logits, feats.loss_mask, k)
+        draft, target, mask = shift_pair(logits, target_draft, feats.loss_mask, k)  # target [B, T-k, V_draft]
         count = mask.sum()
         if count == 0:
             continue
-        # A reduced draft vocabulary learns the target's distribution restricted (renormalised) to that vocabulary.
-        target = target if cols.numel() == V else target.index_select(-1, cols)  # [B, T-k, V_draft]
         draft, target = draft[mask], target[mask]  # [N, V_draft]
         step_loss = distill_loss(draft, target, kind).mean()
         total = total + step_decay ** (k - 1) * step_loss

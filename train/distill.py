@@ -153,7 +153,7 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
         return todo
     copies = 1 if split != "train" else cfg.samples_per_prompt
     pending = [copy.deepcopy(todo[i]) for i in sorted(pending_idx) for _ in range(copies)]
-    key_src = json.dumps({"target": target.identity(), "cfg": cfg.__dict__, "copies": copies,
+    key_src = json.dumps({"version": 2, "target": target.identity(), "cfg": cfg.__dict__, "copies": copies,
                           "prompts": [[r.messages, r.followups, r.prompt] for r in pending]}, sort_keys=True)
     path = cache_dir() / "data" / f"{target.name.replace('/', '_')}-{split}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}.jsonl"
     if path.exists():

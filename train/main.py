@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -156,25 +157,29 @@ def train(cfg: DictConfig) -> dict:
 
     ckpt_path = checkpoint_to_resume(cfg, out)
     dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
+    t0 = time.perf_counter()
     head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
     data = DraftDataModule(dcfg, target, cfg.seed)
     data.prepare(head.feature_layers)
     init_head(head, data.token_counts())
     if dcfg.cache_features:
         data.cache_features(head.feature_layers)
+    log.info("data ready in %.0f s", time.perf_counter() - t0)
     init_state = {k: v.detach().clone() for k, v in head.state_dict().items()}  # the untrained baseline
     loss = LossConfig(**OmegaConf.to_container(cfg.head.loss, resolve=True))
     optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
     ecfg = EvalConfig(**OmegaConf.to_container(cfg.eval, resolve=True))
     module = DraftModule(head, target, loss, optim, ecfg)
     trainer = build_trainer(cfg, out)
+    t0 = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+    log.info("trained %d steps in %.0f s", trainer.global_step, time.perf_counter() - t0)
     from train.strategies import consolidated_head  # lazy: imports Lightning's DeepSpeed strategy
 
     head = consolidated_head(trainer, module.head)  # whole fp32 weights under any strategy; every rank must call
     if not trainer.is_global_zero:
         return {}
-
+    t0 = time.perf_counter()
     save_head(head, out / "head", target.identity(),
               extra={"train": {"data": dcfg.name, "steps": trainer.global_step, "loss": asdict(loss)}})
     untrained = make_head(cfg, target, state=init_state)
@@ -186,6 +191,7 @@ def train(cfg: DictConfig) -> dict:
     record["train_steps"] = trainer.global_step
     write_json(out / "acceptance.json", record)
     plot_alpha(out / "alpha.png", record)
+    log.info("measured α on %d held-out tokens in %.0f s", record["num_tokens"], time.perf_counter() - t0)
     return record
 
 

@@ -72,16 +72,19 @@ class DraftModule(L.LightningModule):
         L = self.target.dims.num_layers
         if f"hidden.{L}" in batch:  # features cached by the DataModule: only the lm_head runs here
             hidden = {int(k.split(".")[1]): v for k, v in batch.items() if k.startswith("hidden.")}
-            with torch.no_grad():
-                logits = self.target.lm_head(hidden[L]).float()
-            return TargetFeatures(batch["input_ids"], hidden, logits, batch["loss_mask"], attn)
+            mask = batch["loss_mask"]
+            with torch.no_grad():  # logits only where a loss or α reads them (prompts are often half the tokens)
+                logits = hidden[L].new_zeros((*mask.shape, self.target.dims.vocab_size), dtype=torch.float32)
+                logits[mask] = self.target.lm_head(hidden[L][mask]).float()
+            return TargetFeatures(batch["input_ids"], hidden, logits, mask, attn)
         attn = None if bool(attn.all()) else attn  # no padding: let attention take its fast causal path
         return self.target.features(batch["input_ids"], batch["loss_mask"], attn, layers=self.head.feature_layers)
 
     def training_step(self, batch, batch_idx):
         feats = self.features(batch)
         out = self.head(feats)
-        loss, stats = head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay)
+        loss, stats = head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
+                                temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k
         B = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=B)
         for name, value in stats.items():

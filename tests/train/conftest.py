@@ -34,6 +34,17 @@ def write_chat(path: Path, n: int = 32, seed: int = 0) -> Path:
     return path
 
 
+@pytest.fixture(name="compose")
+def compose_fixture():
+    """compose_cfg as a fixture: test modules never import conftest by name (several test folders have one)."""
+    return compose_cfg
+
+
+@pytest.fixture(name="write_chat")
+def write_chat_fixture():
+    return write_chat
+
+
 @pytest.fixture
 def chat_files(tmp_path):
     return write_chat(tmp_path / "train.jsonl"), write_chat(tmp_path / "heldout.jsonl", n=8, seed=5)

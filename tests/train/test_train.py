@@ -84,14 +84,12 @@ def test_eval_mode_round_trip(fast_cfg, tmp_path, chat_files):
     assert (tmp_path / "eval" / "acceptance.json").exists()
 
 
-def test_resume_reproduces_uninterrupted_run(fast_cfg, tmp_path, monkeypatch):
+def test_resume_reproduces_uninterrupted_run(fast_cfg, write_chat, tmp_path, monkeypatch):
     """Crash after step 5, resume from the step-4 checkpoint: the final head equals an uninterrupted run's.
 
     24 records / batch 4 = 6 batches per epoch, 8 steps: the resume lands mid-epoch and the run crosses an epoch,
     so optimizer, scheduler and data position all have to come back right.
     """
-    from conftest import write_chat
-
     small = write_chat(tmp_path / "small.jsonl", n=24)
     common = ("head=eagle", f"data.train_files=[{small}]", "trainer.checkpoint_every_n_steps=4")
     train(fast_cfg(*common, out=tmp_path / "straight"))
