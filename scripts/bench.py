@@ -48,16 +48,17 @@ def parse_args():
     p.add_argument("--train-overrides", nargs="*", default=[], help="extra train/main.py overrides")
     p.add_argument("--prompts", default=str(shared_dir() / "data/eval/spec_bench/question.jsonl"))
     p.add_argument("--per-task", type=int, default=4)
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts in all")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--early-exit-layer", type=int, default=None, help="HF assistant_early_exit (default L/4)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="1 prompt per task, 16 tokens, greedy only")
+    p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens, greedy only: a smoke test")
     p.add_argument("--out", default="bench_out")
     args = p.parse_args()
     if args.quick:
-        args.per_task, args.max_new_tokens, args.temperatures = 1, 16, [0.0]
+        args.per_task, args.limit, args.max_new_tokens, args.temperatures = 1, 2, 16, [0.0]
         if not args.heads and not args.untrained:
             args.untrained = ["medusa", "eagle", "eagle3", "mtp"]
     return args
@@ -195,12 +196,12 @@ def main():
     target = load_target(args.target, dtype="bfloat16" if device == "cuda" else "float32", device=device)
     model = Transformer.from_hf(target.model)  # shares the HF model's weights
     heads = load_heads(args, head_dirs, target, model)
-    prompts = load_prompts(args.prompts, target.tokenizer, per_category=args.per_task)
+    prompts = load_prompts(args.prompts, target.tokenizer, per_category=args.per_task, limit=args.limit)
     stops = stop_ids(target.tokenizer, target.model.config)
 
-    sizes = sorted(set(range(1, 10)) | {17, 25, 33, 49, 65})
+    sizes = [1, 2, 4, 17] if args.quick else sorted(set(range(1, 10)) | {17, 25, 33, 49, 65})
     for h in heads:
-        h["costs"] = auto.measure_costs(model, h["head"], sizes)
+        h["costs"] = auto.measure_costs(model, h["head"], sizes, reps=2 if args.quick else 5)
     results = {}
     for T in args.temperatures:
         methods = {k: {"run": hf_runner(target, k, args, stops)} for k in
