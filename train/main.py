@@ -189,6 +189,10 @@ def train(cfg: DictConfig) -> dict:
     record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), temps[0],
                                measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p)
     record["train_steps"] = trainer.global_step
+    if trainer.logger:  # the held-out numbers next to the training curves (W&B summary, CSV row)
+        trainer.logger.log_metrics({f"heldout/{key}@{k}": a for key in ("alpha", "alpha_untrained")
+                                    for k, a in enumerate(record[key], start=1)}, step=trainer.global_step)
+        trainer.logger.save()
     write_json(out / "acceptance.json", record)
     plot_alpha(out / "alpha.png", record)
     log.info("measured α on %d held-out tokens in %.0f s", record["num_tokens"], time.perf_counter() - t0)

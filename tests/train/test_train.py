@@ -39,7 +39,7 @@ def test_every_head_trains(name, fast_cfg, tmp_path):
 
 def test_outputs_and_acceptance_json(fast_cfg, tmp_path):
     out = tmp_path / "run"
-    record = train(fast_cfg("head=eagle3", "head.hparams.num_steps=3", out=out))
+    record = train(fast_cfg("head=eagle3", "head.hparams.num_steps=3", "logger=wandb", out=out))
     saved = json.loads((out / "acceptance.json").read_text())
     assert saved == json.loads(json.dumps(record))
     for key in ("head", "target", "data", "temperature", "alpha", "tau_predicted", "num_tokens", "alpha_untrained"):
@@ -50,6 +50,7 @@ def test_outputs_and_acceptance_json(fast_cfg, tmp_path):
     assert all(0.0 <= a <= 1.0 for a in saved["alpha"] + saved["alpha_untrained"])
     assert set(saved["alpha_by_temperature"]) == {"0.0", "1.0"}
     assert (out / "alpha.png").stat().st_size > 1000 and (out / "checkpoints" / "last.ckpt").exists()
+    assert list((out / "wandb").glob("offline-run-*")), "the default logger writes an offline W&B run"
     config = json.loads((out / "head" / "config.json").read_text())
     assert config["family"] == "eagle3" and config["target"]["name"] == "tiny-random"
     weights = load_file(str(out / "head" / "model.safetensors"))
