@@ -13,6 +13,7 @@ and turns ``UserError`` into one line that says what to fix.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -93,6 +94,13 @@ def build_trainer(cfg: DictConfig, out: Path):
                      **kwargs)
 
 
+def target_device(cfg: DictConfig) -> str:
+    """Load the target straight onto this rank's GPU (a 7B target should not pass through every rank's RAM)."""
+    if cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
     path = cfg.get("ckpt_path") or (out / "checkpoints" / "last.ckpt" if cfg.get("resume") else None)
     if path is None:
@@ -149,7 +157,7 @@ def train(cfg: DictConfig) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        target = load_target(cfg.target.name, cfg.target.path, cfg.target.dtype)
+        target = load_target(cfg.target.name, cfg.target.path, cfg.target.dtype, device=target_device(cfg))
     except (FileNotFoundError, OSError) as e:
         raise UserError(f"cannot load target {cfg.target.name}: {str(e).splitlines()[0]}") from e
     if cfg.mode == "eval":

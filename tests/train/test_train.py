@@ -75,7 +75,7 @@ def test_target_never_trained_or_checkpointed(fast_cfg, tmp_path, tiny_target):
         torch.testing.assert_close(v, before[k])
 
 
-def test_eval_mode_round_trip(fast_cfg, tmp_path, chat_files):
+def test_eval_mode_round_trip(fast_cfg, tmp_path, chat_files, tiny_target):
     out = tmp_path / "run"
     trained = train(fast_cfg("head=medusa", out=out))
     again = train(fast_cfg("mode=eval", f"head_path={out / 'head'}", f"data.eval_files=[{chat_files[1]}]",
@@ -83,6 +83,22 @@ def test_eval_mode_round_trip(fast_cfg, tmp_path, chat_files):
     assert again["alpha"] == pytest.approx(trained["alpha"], abs=1e-9)
     assert again["num_tokens"] == trained["num_tokens"] and "alpha_untrained" not in again
     assert (tmp_path / "eval" / "acceptance.json").exists()
+
+    # serve/ writes OUT/generations.jsonl (prompt_ids + token_ids): the same tokens give the same α
+    from train.data import chat_example
+    from train.records import read_sources
+
+    rows = []
+    for record in read_sources([str(chat_files[1])]):
+        ex = chat_example(record.messages, tiny_target.tokenizer, 512)
+        start = int(ex.loss_mask.nonzero()[0]) + 1  # the first answer token
+        rows.append({"prompt_ids": ex.input_ids[:start].tolist(), "token_ids": ex.input_ids[start:].tolist()})
+    generations = tmp_path / "generations.jsonl"
+    generations.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from_serve = train(fast_cfg("mode=eval", f"head_path={out / 'head'}", f"data.eval_files=[{generations}]",
+                                out=tmp_path / "eval_generations"))
+    assert from_serve["alpha"] == pytest.approx(trained["alpha"], abs=1e-9)
+    assert from_serve["num_tokens"] == trained["num_tokens"]
 
 
 def test_resume_reproduces_uninterrupted_run(fast_cfg, write_chat, tmp_path, monkeypatch):
