@@ -115,6 +115,10 @@ class Decoder:
         self.layers = tuple(self.head.feature_layers) if self.head is not None else ()
         if self.head is None and (self.gamma or self.tree):
             raise ValueError("gamma > 0 or a tree needs a draft head (head_path=...)")
+        if isinstance(self.tree, DynamicTree) and not hasattr(self.head, "step_tree"):
+            raise ValueError(f"a dynamic tree needs a head with step_tree (eagle, eagle3), not {self.head.family}")
+        if isinstance(self.tree, StaticTree) and self.head.family != "medusa":
+            raise ValueError(f"static trees draft each depth independently (Medusa); not for {self.head.family}")
         steps = self.head.max_draft_steps if self.head is not None else None
         if steps is not None and self.gamma > steps:
             raise ValueError(f"gamma={self.gamma} exceeds the {self.head.family} head's {steps} draft steps")
