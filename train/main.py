@@ -28,8 +28,9 @@ from heads.base import DraftHead
 from heads.checkpoint import check_target, load_head, save_head
 from heads.target import Target, load_target, shared_dir
 from train import UserError
-from train.acceptance import acceptance_record, measure, plot_alpha, write_json
-from train.data import DataConfig, DraftDataModule
+
+# Lightning, the data pipeline and matplotlib load inside the functions that use them, so `--cfg job` and
+# `--help` answer in a second or two instead of paying for those imports.
 
 log = logging.getLogger("train")
 OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), replace=True)  # ${shared:data/x}
@@ -117,13 +118,16 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
     return str(path)
 
 
-def data_description(cfg: DataConfig, data: DraftDataModule) -> dict:
+def data_description(cfg, data) -> dict:
     heldout = list(cfg.eval_files) or [f"held-out {cfg.heldout_fraction:.0%} of {list(cfg.train_files)}"]
     return {"config": cfg.name, "files": heldout, "sequences": len(data.eval_examples)}
 
 
 def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     """mode=eval: α of a saved head on held-out files, written to OUT/acceptance.json."""
+    from train.acceptance import acceptance_record, measure, write_json
+    from train.data import DataConfig, DraftDataModule
+
     if not cfg.get("head_path"):
         raise UserError("mode=eval needs head_path=DIR/head (the head/ directory a training run wrote)")
     try:
@@ -149,6 +153,8 @@ def train(cfg: DictConfig) -> dict:
     """Run the job described by ``cfg``; returns the acceptance record (also written to OUT/acceptance.json)."""
     import lightning as L
 
+    from train.acceptance import acceptance_record, measure, plot_alpha, write_json
+    from train.data import DataConfig, DraftDataModule
     from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
 
     if cfg.mode not in ("train", "eval"):
