@@ -213,3 +213,20 @@ def test_features_kept_during_generation_match_a_forward_pass(tmp_path, tiny_tar
         for k in (2, 5, 8):
             assert r.features[k].shape == (ids.shape[1], tiny_target.dims.hidden_size)
             torch.testing.assert_close(r.features[k], want.hidden[k][0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.shared
+@pytest.mark.slow  # parses all ~38k training records
+def test_chat_config_reads_shared_data(compose, tmp_path):
+    """data=chat: ../shared's training JSONL (answers included) and Spec-Bench prompts held out (answered later)."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import require_shared
+
+    require_shared("data", "train")
+    cfg = DataConfig.from_dict(OmegaConf.to_container(compose(tmp_path, "data=chat").data, resolve=True))
+    train_records, heldout = split_records(cfg.train_files, cfg.eval_files, cfg.heldout_fraction, 200,
+                                           cfg.max_eval_records, 0)
+    assert len(train_records) == 200 and len(heldout) == cfg.max_eval_records
+    assert sum(not r.needs_answer for r in train_records) > 190  # nearly every training record has its answer
+    assert all(r.needs_answer and r.messages[0]["role"] == "user" for r in heldout)  # the target will answer
