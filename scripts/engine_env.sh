@@ -44,7 +44,8 @@ vllm_env() {
 
 llamacpp_env() {
   local dir="$VENVS/llamacpp" spec="llama-cpp-python${LLAMACPP_PY_VERSION:+==$LLAMACPP_PY_VERSION}"
-  local stamp="$spec python=$($PY -V 2>&1)"
+  # GGML_NATIVE builds for this CPU: a cache carried to another CPU model must rebuild, so its flags are in the key.
+  local stamp="$spec transformers==5.24.0 python=$($PY -V 2>&1) cpu=$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-8)"
   if [[ -f "$dir/.stamp" && "$(cat "$dir/.stamp")" == "$stamp" && -x "$dir/bin/llama-speculative-simple" ]]; then
     say "llamacpp: cached ($stamp)"; echo "READY llamacpp $dir"; return; fi
   say "llamacpp: creating $dir ($stamp)"
@@ -58,7 +59,7 @@ llamacpp_env() {
     || { say "llamacpp: the vendored llama.cpp ($lc) has no EAGLE-3 support"; exit 3; }
   # The converter's deps: gguf-py from the same sdist (its tensor names match this llama.cpp), plus torch (CPU
   # wheel from disk), transformers and sentencepiece for the tokenizer.
-  "$dir/bin/pip" install -q "$lc/gguf-py" torch==2.13.0 transformers sentencepiece safetensors numpy 2>&1 | quiet
+  "$dir/bin/pip" install -q "$lc/gguf-py" torch==2.13.0 transformers==5.24.0 sentencepiece safetensors numpy 2>&1 | quiet
   say "llamacpp: building llama-speculative-simple with -j$JOBS"
   cmake -S "$lc" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
