@@ -15,6 +15,7 @@ import copy
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -163,7 +164,7 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
         log.info("self-distillation: %s answers %d %s prompts (cached at %s)", target.name, len(pending), split, path)
         answered = _answer_all(target, pending, cfg, layers, split)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks sharing a cache never share a temp file
         with tmp.open("w") as f:
             for r in answered:
                 row = {"messages": r.messages} if r.messages is not None else \
