@@ -18,6 +18,7 @@ command -v "$PY" >/dev/null || PY=python3
 VLLM_VERSION=0.32.0
 SPECULATORS_VERSION=0.9.0
 LLAMACPP_PY_VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"  # its sdist vendors a llama.cpp with EAGLE-3 (src/models/eagle3.cpp)
+CONVERTER_TRANSFORMERS=5.24.0  # convert_hf_to_gguf.py reads the tokenizer with it; pinned so the cache stamp means something
 JOBS="${ENGINE_JOBS:-2}"
 
 say() { echo "[engine_env] $*" >&2; }
@@ -45,7 +46,7 @@ vllm_env() {
 llamacpp_env() {
   local dir="$VENVS/llamacpp" spec="llama-cpp-python${LLAMACPP_PY_VERSION:+==$LLAMACPP_PY_VERSION}"
   # GGML_NATIVE builds for this CPU: a cache carried to another CPU model must rebuild, so its flags are in the key.
-  local stamp="$spec transformers==5.24.0 python=$($PY -V 2>&1) cpu=$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-8)"
+  local stamp="$spec transformers==$CONVERTER_TRANSFORMERS python=$($PY -V 2>&1) cpu=$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-8)"
   if [[ -f "$dir/.stamp" && "$(cat "$dir/.stamp")" == "$stamp" && -x "$dir/bin/llama-speculative-simple" ]]; then
     say "llamacpp: cached ($stamp)"; echo "READY llamacpp $dir"; return; fi
   say "llamacpp: creating $dir ($stamp)"
@@ -59,7 +60,7 @@ llamacpp_env() {
     || { say "llamacpp: the vendored llama.cpp ($lc) has no EAGLE-3 support"; exit 3; }
   # The converter's deps: gguf-py from the same sdist (its tensor names match this llama.cpp), plus torch (CPU
   # wheel from disk), transformers and sentencepiece for the tokenizer.
-  "$dir/bin/pip" install -q "$lc/gguf-py" torch==2.13.0 transformers==5.24.0 sentencepiece safetensors numpy 2>&1 | quiet
+  "$dir/bin/pip" install -q "$lc/gguf-py" torch==2.13.0 "transformers==$CONVERTER_TRANSFORMERS" sentencepiece safetensors numpy 2>&1 | quiet
   say "llamacpp: building llama-speculative-simple with -j$JOBS"
   cmake -S "$lc" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
