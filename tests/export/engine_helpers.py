@@ -28,7 +28,9 @@ from heads import build_head
 from heads.checkpoint import save_head
 
 ROOT = Path(__file__).resolve().parents[2]
-VENVS = Path(os.environ.get("DRAFTHEADS_VENVS", ROOT / ".venvs"))
+# Outside the clone, so a fresh clone on the same machine (CI) reuses the engines; scripts/engine_env.sh agrees.
+VENVS = Path(os.environ.get("DRAFTHEADS_VENVS") or
+             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftheads" / "venvs")
 ENGINE_SCRIPTS = ROOT / "scripts" / "engines"
 
 # Training prompts (hand-written, not eval data). Chat-formatted for SmolLM2-Instruct.
@@ -194,7 +196,7 @@ def fixture_heads(target, prompts, answers, families=("eagle", "eagle3", "medusa
 
     40 steps: the EAGLE-1 loss is flat from ~step 35 (0.229 at 40, 0.214 at 80); α@1..3 on the answers ~0.97.
 
-    Cached under .venvs/fixture-heads/<key>: the key hashes this file, the heads' module code (base, layers, the
+    Cached under VENVS/fixture-heads/<key>: the key hashes this file, the heads' module code (base, layers, the
     three families), the target identity and the training data, so a change to any of them retrains.
     """
     h = hashlib.sha256()
