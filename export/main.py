@@ -94,7 +94,8 @@ def probe_features(target, tokens: int, batch: int = 2, seed: int = 0):
     """Random token batch through the target; every hidden_states index so any aux-id rewrite can be read."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.dims.vocab_size, (batch, tokens), generator=g)
-    return target.features(ids, layers=range(target.dims.num_layers + 1))
+    # fp32 features: the head is checked as trained (fp32), whatever dtype the target was loaded in
+    return target.features(ids, layers=range(target.dims.num_layers + 1)).hidden_as(torch.float32)
 
 
 def validate_export(out: str | Path, fmt: str, ctx: ExportContext, feats, atol: float = 1e-4) -> dict:

@@ -21,7 +21,7 @@ them, which is how rejected drafts are rolled back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -62,6 +62,14 @@ class TargetFeatures:
     def last_hidden(self) -> torch.Tensor:
         return self.hidden[max(self.hidden)]
 
+    def hidden_as(self, dtype: torch.dtype) -> "TargetFeatures":
+        """The same batch with the hidden states in ``dtype``: the one place a bf16/fp16 target's features meet
+        an fp32 head (training, α and export all pass through here; serve/ casts the head to the target instead).
+        """
+        if all(h.dtype == dtype for h in self.hidden.values()):
+            return self
+        return replace(self, hidden={k: h.to(dtype) for k, h in self.hidden.items()})
+
 
 @dataclass
 class HeadOutput:
@@ -92,6 +100,12 @@ class DraftHead(nn.Module):
         if name not in self._frozen:
             raise RuntimeError(f"{type(self).__name__}: call attach_target(...) before using the head")
         return self._frozen[name]
+
+    def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """The frozen lm_head on the head's features, in the lm_head's own dtype (a bf16 target's lm_head takes
+        an fp32 head's output cast down; gradients flow through the cast), logits back in the head's dtype."""
+        lm_head = self.frozen("lm_head")
+        return lm_head(h.to(lm_head.weight.dtype)).to(h.dtype)
 
     def init_from_target(self) -> None:
         """Copy what a fresh head starts from out of the attached target (lm_head rows, norms). Default: nothing."""

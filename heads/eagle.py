@@ -105,7 +105,7 @@ class Eagle(ChainHead):
         return self.layers[0](x, positions, **attn)
 
     def logits(self, out):
-        return self.frozen("lm_head")(out)
+        return self.target_lm_head(out)
 
     def aux_losses(self, outputs, feats):
         if not self.feature_loss_weight:

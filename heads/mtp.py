@@ -50,7 +50,7 @@ class Mtp(DraftHead):
         self.norm.weight.copy_(self.frozen("final_norm").weight)
 
     def logits(self, h):
-        return self.frozen("lm_head")(self.norm(h))
+        return self.target_lm_head(self.norm(h))
 
     def embed(self, tokens, dtype):
         return self.frozen("embed_tokens")(tokens).to(dtype)

@@ -19,17 +19,12 @@ import torch
 from torch import nn
 
 from heads.base import TargetDims, TargetFeatures
+from heads.chat import CHATML, apply_chat_format
 
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
-    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads"))
 
@@ -82,7 +77,7 @@ def _tiny_random(seed: int = 0, **overrides):
         tokenizer_object=raw, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = CHATML
     fields = dict(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
@@ -158,20 +153,51 @@ class Target:
         return TargetFeatures(input_ids, hidden, logits, loss_mask.bool(), attention_mask)
 
 
-def load_target(name: str, path: str | None = None, dtype: str = "float32", device: str = "cpu") -> Target:
+def check_dtype(dtype: str, device: str) -> torch.dtype:
+    """The torch dtype for ``dtype``, refused in one line where the device cannot run it."""
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"target.dtype={dtype}; choose float32, bfloat16 or float16")
+    if str(device).startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} asked for but torch sees no CUDA device; drop the CUDA-only option "
+                             "(trainer.accelerator=cpu, device=cpu) or install a CUDA build of torch")
+        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"{torch.cuda.get_device_name()} has no bfloat16; pass target.dtype=float16 "
+                             "(and trainer.precision=16-mixed)")
+    return getattr(torch, dtype)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto``: bfloat16 on a GPU that has it (else float16), float32 on the CPU; any other name as given."""
+    if dtype != "auto":
+        return dtype
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def load_target(name: str, path: str | None = None, dtype: str = "float32", device: str = "cpu",
+                chat_format: str | None = None) -> Target:
+    """The frozen target on ``device`` in ``dtype``; ``chat_format`` names a heads.chat template (None: the
+    tokenizer's own).
+
+    ``device_map={"": device}`` makes from_pretrained allocate every weight on that device and read the
+    checkpoint's shards straight into it in ``dtype``: a 7B bf16 target costs each rank ~13.5 GB on its own GPU
+    and never a full copy in host RAM (one process per GPU, each with its LOCAL_RANK's device).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype = check_dtype(dtype, device)
     if name == "tiny-random" and not path:
         model, tokenizer = _tiny_random()
     else:
         where = resolve_path(name, path)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map={"": device})
         tokenizer = AutoTokenizer.from_pretrained(where)
         if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ValueError(f"target {name}: model_type {model.config.model_type!r} is not a Llama-family decoder")
-    model = model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=torch_dtype).eval().requires_grad_(False)  # no-op for loaded weights
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = CHATML_TEMPLATE  # plain-text targets (stories260k) still get chat data framed
+    apply_chat_format(tokenizer, chat_format)  # no template and no format: heads.chat.render refuses chat data
     return Target(name, model, tokenizer)

@@ -22,8 +22,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from heads import chat
 from heads.checkpoint import check_target, load_head
-from heads.target import load_target, shared_dir
+from heads.target import load_target, resolve_dtype, shared_dir
 from serve import auto
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.model import Transformer
@@ -73,7 +74,10 @@ def load_prompts(path, tokenizer, chat_template=True, per_category=None, limit=N
         if raw is None and not chat_template:
             raw = "\n\n".join(m["content"] for m in messages)
         if raw is None:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:
+                text = chat.render(tokenizer, messages, add_generation_prompt=True)
+            except chat.MissingChatTemplate as e:
+                raise UserError(f"{e} (or chat_template=false here)") from e
             ids = tokenizer(text, add_special_tokens=False).input_ids
         else:
             ids = tokenizer(raw).input_ids
@@ -102,7 +106,7 @@ SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag
 
 def resolve_device(cfg) -> tuple[str, torch.dtype]:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else cfg.target.dtype)
+    name = cfg.dtype if cfg.dtype != "auto" else resolve_dtype(cfg.target.dtype if device == "cpu" else "auto", device)
     return device, getattr(torch, name)
 
 
@@ -186,7 +190,8 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     try:
-        target = load_target(cfg.target.name, cfg.target.path, str(dtype).removeprefix("torch."), device)
+        target = load_target(cfg.target.name, cfg.target.path, str(dtype).removeprefix("torch."), device,
+                             cfg.target.get("chat_format"))
     except (FileNotFoundError, OSError, ValueError) as e:
         raise UserError(f"target {cfg.target.name}: {e}") from e
     model = Transformer.from_hf(target.model)

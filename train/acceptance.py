@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,8 +33,7 @@ def measure(heads: dict[str, DraftHead], target: Target, loader, temperatures, t
         attn = None if bool(batch["attention_mask"].all()) else batch["attention_mask"]
         feats = target.features(batch["input_ids"], batch["loss_mask"], attn, layers=layers)
         for name, head in heads.items():
-            dtype = next(head.parameters()).dtype  # a bf16 target's features meet an fp32 head
-            out = head(replace(feats, hidden={k: h.to(dtype) for k, h in feats.hidden.items()}))
+            out = head(feats.hidden_as(next(head.parameters()).dtype))  # a bf16 target's features, an fp32 head
             for t in temperatures:
                 s, c = alpha_sums(head, out, feats, t, top_k, top_p)
                 step = torch.tensor([s, c], dtype=torch.float64)  # [2, K]

@@ -22,6 +22,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from heads import chat
 from train import UserError
 from train.distill import DistillConfig, answer
 from train.records import Record, split_records
@@ -67,7 +68,7 @@ def _mask_from_trained(trained: list[bool]) -> torch.Tensor:
 
 
 def chat_example(messages: list[dict], tokenizer, max_len: int, where: str = "") -> Example:
-    render = partial(tokenizer.apply_chat_template, tokenize=False)
+    render = partial(chat.render, tokenizer)
     full = render(messages)
     spans = []
     for i, m in enumerate(messages):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from heads import chat
 from heads.sampling import probs_from_logits
 from heads.target import Target, cache_dir
 from train.records import Record
@@ -109,7 +110,7 @@ def sample(model, prompts: list[list[int]], cfg: DistillConfig, stop: list[int],
 
 def _prompt_ids(r: Record, tok) -> list[int]:
     if r.messages is not None:
-        text = tok.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
+        text = chat.render(tok, r.messages, add_generation_prompt=True)
         return tok(text, add_special_tokens=False).input_ids
     return tok(r.prompt).input_ids  # plain text: with the tokenizer's BOS, as the target was trained
 

@@ -26,7 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from heads import build_head
 from heads.base import DraftHead
 from heads.checkpoint import check_target, load_head, save_head
-from heads.target import Target, load_target, shared_dir
+from heads.chat import MissingChatTemplate
+from heads.target import Target, load_target, resolve_dtype, shared_dir
 from train import UserError
 
 # Lightning, the data pipeline and matplotlib load inside the functions that use them, so `--cfg job` and
@@ -95,11 +96,30 @@ def build_trainer(cfg: DictConfig, out: Path):
                      **kwargs)
 
 
-def target_device(cfg: DictConfig) -> str:
-    """Load the target straight onto this rank's GPU (a 7B target should not pass through every rank's RAM)."""
-    if cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") and torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
+def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
+    """Fill in ``trainer.accelerator/precision: auto`` from the machine; returns (this rank's device, target dtype).
+
+    No trainer override: every visible GPU in bf16-mixed (fp16-mixed where the GPU has no bf16) when CUDA is
+    present, fp32 on the CPU otherwise. The target is then loaded straight onto this rank's GPU (LOCAL_RANK, set
+    by Lightning's launcher or torchrun) in its dtype: no rank ever holds a full copy of a 7B target in host RAM.
+    """
+    t = cfg.trainer
+    cuda = torch.cuda.is_available()
+    if t.accelerator == "auto":
+        t.accelerator = "gpu" if cuda else "cpu"
+    if t.accelerator in ("gpu", "cuda") and not cuda:
+        raise UserError(f"trainer.accelerator={t.accelerator} but torch sees no CUDA device; drop the GPU trainer "
+                        "override, or add trainer.accelerator=cpu trainer.precision=32-true")
+    on_gpu = t.accelerator in ("gpu", "cuda")
+    if t.precision == "auto":
+        t.precision = ("bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed") if on_gpu else "32-true"
+    if str(t.precision).startswith("16") and not on_gpu:
+        raise UserError(f"trainer.precision={t.precision} needs a CUDA device; use 32-true or bf16-mixed on CPU")
+    if str(t.precision).startswith("bf16") and on_gpu and not torch.cuda.is_bf16_supported():
+        raise UserError(f"{torch.cuda.get_device_name()} has no bfloat16; pass trainer.precision=16-mixed "
+                        "target.dtype=float16")
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu"
+    return device, resolve_dtype(cfg.target.dtype, device)
 
 
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
@@ -116,6 +136,13 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
     except Exception as e:
         raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); delete it or pass another ckpt_path=") from e
     return str(path)
+
+
+def prepare_data(data, layers=()) -> None:
+    try:
+        data.prepare(layers)
+    except MissingChatTemplate as e:
+        raise UserError(str(e)) from e
 
 
 def data_description(cfg, data) -> dict:
@@ -138,7 +165,7 @@ def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
     dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
     data = DraftDataModule(dcfg, target, cfg.seed, mode="eval")
-    data.prepare()
+    prepare_data(data)
     e = cfg.eval
     temps = [float(e.temperature)] + [float(t) for t in e.extra_temperatures if float(t) != float(e.temperature)]
     measured = measure({"head": head}, target, data.eval_loader(), temps, e.top_k, e.top_p)
@@ -162,9 +189,10 @@ def train(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    device, dtype = resolve_hardware(cfg)
     try:
-        target = load_target(cfg.target.name, cfg.target.path, cfg.target.dtype, device=target_device(cfg))
-    except (FileNotFoundError, OSError) as e:
+        target = load_target(cfg.target.name, cfg.target.path, dtype, device, cfg.target.get("chat_format"))
+    except (FileNotFoundError, OSError, ValueError) as e:
         raise UserError(f"cannot load target {cfg.target.name}: {str(e).splitlines()[0]}") from e
     if cfg.mode == "eval":
         return evaluate_saved(cfg, target, out)
@@ -174,7 +202,7 @@ def train(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
     data = DraftDataModule(dcfg, target, cfg.seed)
-    data.prepare(head.feature_layers)
+    prepare_data(data, head.feature_layers)
     init_head(head, data.token_counts())
     if dcfg.cache_features:
         data.cache_features(head.feature_layers)

@@ -80,8 +80,11 @@ class DraftModule(L.LightningModule):
         attn = None if bool(attn.all()) else attn  # no padding: let attention take its fast causal path
         return self.target.features(batch["input_ids"], batch["loss_mask"], attn, layers=self.head.feature_layers)
 
+    def head_dtype(self) -> torch.dtype:
+        return next(self.head.parameters()).dtype
+
     def training_step(self, batch, batch_idx):
-        feats = self.features(batch)
+        feats = self.features(batch).hidden_as(self.head_dtype())  # a bf16/fp16 target feeds an fp32 head
         out = self.head(feats)
         loss, stats = head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
                                 temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k
@@ -93,7 +96,7 @@ class DraftModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        feats = self.features(batch)
+        feats = self.features(batch).hidden_as(self.head_dtype())
         e = self.eval_cfg
         sums, counts = alpha_sums(self.head, self.head(feats), feats, e.temperature, e.top_k, e.top_p)
         step = torch.tensor([sums, counts], dtype=torch.float64, device=self.device)  # [2, K]

@@ -181,5 +181,6 @@ def test_llama2_config_resolves_without_download():
     """The design card's line: with no GPU and no weights the config still composes (nothing is loaded)."""
     proc = run_cli("head=eagle", "target=llama2-7b", "--cfg", "job", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "name: meta-llama/Llama-2-7b-hf" in proc.stdout and "name: eagle" in proc.stdout
-    assert "feature_loss_weight" in proc.stdout
+    assert "name: meta-llama/Llama-2-7b-chat-hf" in proc.stdout and "name: eagle" in proc.stdout
+    assert "feature_loss_weight" in proc.stdout and "chat_format: llama-2" in proc.stdout
+    assert "max_steps: 1000" in proc.stdout and "accelerator: auto" in proc.stdout  # the target's defaults
