@@ -54,19 +54,25 @@ def llama_sentencepiece(shared: Path):
     return tok
 
 
-def llama3_byte_level():
+def byte_level(bos: str, eos: str, specials: list[str], pad: str | None = None):
+    """A byte-level BPE PreTrainedTokenizerFast with no merges (one token per byte) plus ``specials``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for s in LLAMA3_SPECIALS:
-        vocab[s] = len(vocab)
+    for s in specials:
+        vocab.setdefault(s, len(vocab))
     raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
-    tok.add_special_tokens({"additional_special_tokens": LLAMA3_SPECIALS})
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=bos, eos_token=eos, pad_token=pad)
+    tok.add_special_tokens({"additional_special_tokens": list(dict.fromkeys(specials))})
+    return tok
+
+
+def llama3_byte_level():
+    tok = byte_level("<|begin_of_text|>", "<|eot_id|>", LLAMA3_SPECIALS)
     tok.chat_template = LLAMA3  # the real tokenizer ships its template (with a date preamble we leave out)
     return tok
 

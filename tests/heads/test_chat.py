@@ -6,10 +6,8 @@ expected trained / untrained text readable, and every expectation is written out
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 from heads.chat import CHAT_FORMATS, VICUNA_SYSTEM, MissingChatTemplate, apply_chat_format, render
+from tests.standins import byte_level
 from train.data import chat_example
 
 CONVERSATION = [
@@ -30,15 +28,7 @@ SPECIALS = {  # format -> (bos, eos, other special tokens)
 
 def char_tokenizer(fmt: str | None):
     bos, eos, extra = SPECIALS[fmt or "chatml"]
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for s in [bos, eos, *extra]:
-        vocab[s] = len(vocab)
-    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=bos, eos_token=eos, pad_token=eos)
-    tok.add_special_tokens({"additional_special_tokens": [bos, eos, *extra]})
+    tok = byte_level(bos, eos, [bos, eos, *extra], pad=eos)
     apply_chat_format(tok, fmt)
     return tok
 
