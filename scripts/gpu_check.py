@@ -48,6 +48,10 @@ def serve(out: Path, name: str, extra: list[str]) -> dict:
     return json.loads((out / name / "bench.json").read_text())
 
 
+def tokens(run_dir: Path) -> list[list[int]]:
+    return [json.loads(line)["token_ids"] for line in (run_dir / "generations.jsonl").open()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/gpu-check")
@@ -85,8 +89,7 @@ def main() -> None:
         "vanilla_tokens_per_s": vanilla["tokens_per_s"],
         "vanilla_overhead_per_token_ms": round(1e3 * (vanilla["seconds"] / max(vanilla["new_tokens"], 1) - one), 3),
         # bf16 verification of γ+1 tokens rounds differently from one-token steps: near-ties may flip
-        "greedy_equal_to_vanilla": [json.loads(a)["token_ids"] for a in (out / "serve_head" / "generations.jsonl").open()]
-        == [json.loads(a)["token_ids"] for a in (out / "serve_vanilla" / "generations.jsonl").open()],
+        "greedy_equal_to_vanilla": tokens(out / "serve_head") == tokens(out / "serve_vanilla"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

@@ -3,8 +3,8 @@
 What is kept from the real checkpoint: the model class, attention layout (MHA for Llama-2/Vicuna, 4:1 GQA for
 Llama-3.1), rope (theta 1e4 / 5e5 and Llama-3.1's "llama3" frequency scaling), norm epsilon, context length,
 untied lm_head, the release dtype, the tokenizer class and its special tokens, and the chat format. What is shrunk:
-depth (8 layers, so EAGLE-3's default taps (2, L//2, L-3) are distinct, as SafeAILab's code needs), width (64, heads 4, MLP ratio kept) and the
-vocabulary (the tokenizers below: 512 and 261 tokens instead of 32,000 and 128,256; a full-size embedding alone
+depth (8 layers, so EAGLE-3's default taps (2, L//2, L-3) are distinct, as SafeAILab's code needs), width (64,
+heads 4, MLP ratio kept) and the vocabulary (the tokenizers below: 512 and 261 tokens instead of 32,000 and 128,256; a full-size embedding alone
 would be most of the test's time and memory, and nothing in the path depends on the vocabulary's size).
 
 Tokenizers are built here, from public facts: Llama-2 and Vicuna use a sentencepiece LlamaTokenizer with <s>=1,
