@@ -111,6 +111,27 @@ def test_sglang_eagle1_needs_its_zero_bias(exported):
         validate_export(out, "sglang", ctx, feats)
 
 
+def test_safeailab_eagle3_embedding_follows_the_clients_rule(exported):
+    """cnets.py skips the target's embedding when config.json has target_hidden_size; the draft then reads
+    embed_tokens.weight from its own file, else keeps a random one. The checks read the files by that rule."""
+    out, ctx, feats = exported("eagle3", "eagle", draft_vocab_size=64)
+    assert "target_hidden_size" not in json.loads((out / "config.json").read_text())
+    assert "embed_tokens.weight" not in load_file(str(out / "model.safetensors"))
+    corrupt(out, "eagle", config=lambda c: c.update(target_hidden_size=64))  # the defect, reintroduced
+    with pytest.raises(ValueError, match="missing \\['embed_tokens.weight'\\]"):
+        validate_export(out, "eagle", ctx, feats)
+    from export.eagle import reference_logits
+    from export.common import read_dir
+    with pytest.raises(ValueError, match="random token embedding"):  # the forward alone refuses it too
+        reference_logits(*read_dir(out), "eagle3", ctx.target, feats, 3)
+    random_embed = torch.randn(ctx.dims.vocab_size, 64)
+    corrupt(out, "eagle", tensors=lambda t: t.update({"embed_tokens.weight": random_embed}))
+    with pytest.raises(ValueError, match="reference forward differs"):  # the forward uses the file's embedding
+        validate_export(out, "eagle", ctx, feats)
+    corrupt(out, "eagle", tensors=lambda t: t.update({"embed_tokens.weight": ctx.target.embed_tokens.weight.clone()}))
+    validate_export(out, "eagle", ctx, feats)  # carrying the target's own embedding is the other valid layout
+
+
 def test_medusa_pickle_must_match(exported):
     out, ctx, feats = exported("medusa", "medusa")
     torch.save({"0.0.linear.weight": torch.zeros(1)}, out / "medusa_lm_head.pt")
