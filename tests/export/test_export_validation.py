@@ -133,10 +133,25 @@ def test_safeailab_eagle3_embedding_follows_the_clients_rule(exported):
 
 
 def test_medusa_pickle_must_match(exported):
-    out, ctx, feats = exported("medusa", "medusa")
+    out, ctx, feats = exported("medusa", "medusa", num_steps=5)
     torch.save({"0.0.linear.weight": torch.zeros(1)}, out / "medusa_lm_head.pt")
     with pytest.raises(ValueError, match="differ"):
         validate_export(out, "medusa", ctx, feats)
+
+
+def test_medusa_keys_are_the_five_heads_its_loader_builds(exported, tiny_target, head_dir, run_export, tmp_path):
+    out, ctx, feats = exported("medusa", "medusa", num_steps=5)
+
+    def four_heads(t):  # what a 4-head export looked like: the client's fifth head stayed random
+        for k in [k for k in t if k.startswith("4.")]:
+            t.pop(k)
+
+    corrupt(out, "medusa", tensors=four_heads, config=lambda c: c.update(medusa_num_heads=4))
+    with pytest.raises(ValueError, match="missing \\['4.0.linear.bias', '4.0.linear.weight', '4.1.weight'\\]"):
+        validate_export(out, "medusa", ctx, feats)
+    head_path, _ = head_dir(tiny_target, "medusa", name="four", num_steps=4)
+    with pytest.raises(ExportRefused, match="always builds 5 heads; this head has 4"):
+        run_export(head_path, "medusa", tmp_path / "four")
 
 
 def test_target_identity_is_checked(exported):
@@ -218,7 +233,7 @@ def test_hydra_entry_writes_the_files_and_refuses_in_one_line(tiny_target, head_
 @pytest.mark.slow
 def test_cli_subprocess(tiny_target, head_dir, tmp_path):
     """`python export/main.py ...` as a user types it (its own process: sys.path, Hydra, exit status)."""
-    head_path, _ = head_dir(tiny_target, "medusa")
+    head_path, _ = head_dir(tiny_target, "medusa", num_steps=5)
     cmd = [sys.executable, str(ROOT / "export" / "main.py"), f"head_path={head_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ok = subprocess.run(cmd + ["format=medusa", "out=fd"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
