@@ -230,6 +230,33 @@ def test_hydra_entry_writes_the_files_and_refuses_in_one_line(tiny_target, head_
                                        "export to: vllm, sglang, speculators, llamacpp, eagle")
 
 
+@pytest.mark.parametrize("case,message", [
+    ("missing head", "error: head_path=/missing/head: no such directory; pass the head/ directory a training run "
+                     "wrote (DIR/head)"),
+    ("corrupt weights", "error: head_path={head}: cannot read {head}/model.safetensors: "),
+    ("missing target", "error: cannot load target /nonexistent: target path /nonexistent: no such directory; pass "
+                       "the target's HF model directory (config.json, weights, tokenizer)"),
+])
+def test_bad_input_is_one_line(tiny_target, head_dir, tmp_path, monkeypatch, capsys, case, message):
+    """What train/ and serve/ do with bad input: one line naming the fix, exit status 2, no traceback."""
+    from export.main import _hydra_main
+
+    head_path, _ = head_dir(tiny_target, "eagle")
+    args = [f"head_path={head_path}", "format=eagle", f"out={tmp_path / 'out'}"]
+    if case == "missing head":
+        args[0] = "head_path=/missing/head"
+    elif case == "corrupt weights":
+        (head_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    else:
+        args.append("target_path=/nonexistent")
+    monkeypatch.setattr(sys, "argv", ["export/main.py", *args])
+    with pytest.raises(SystemExit) as exit_:
+        _hydra_main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(message.format(head=head_path)), err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_cli_subprocess(tiny_target, head_dir, tmp_path):
     """`python export/main.py ...` as a user types it (its own process: sys.path, Hydra, exit status)."""
