@@ -116,6 +116,13 @@ def reference_logits(cfg: dict, tensors: dict, family: str, target, feats, K: in
     return reference.eagle3(mapped, cfg, embed, safeailab_aux(L), False, feats, K, "layers.0")
 
 
+# What SafeAILab's code (transformers 4.53) needs of the target folder beyond what HF writes; export READMEs say it.
+TARGET_FOLDER = ("model.safetensors.index.json beside the weights (cnets finds the embedding through it), a tokenizer "
+                 "AutoTokenizer opens with use_fast=False (tokenizer.model or vocab.json + merges.txt, or "
+                 "tokenizer_class PreTrainedTokenizerFast in tokenizer_config.json), no list-valued "
+                 "extra_special_tokens, and rope_theta at the top level of config.json")
+
+
 def commands(ctx: ExportContext, out: str, target: str) -> dict:
     return {"python": "from eagle.model.ea_model import EaModel\n"
                       f"model = EaModel.from_pretrained(base_model_path={target!r}, ea_model_path={out!r}, "

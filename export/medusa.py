@@ -88,6 +88,13 @@ def check_pickle(out_dir) -> None:
         raise ValueError(f"{PICKLE} and {WEIGHTS} differ")
 
 
+# What FasterDecoding's code (transformers 4.34) needs of the target folder; export READMEs say it.
+TARGET_FOLDER = ("a tokenizer_config.json transformers 4.34 reads (a known tokenizer_class such as "
+                 "PreTrainedTokenizerFast, no list-valued extra_special_tokens), a tokenizer.json tokenizers 0.14 "
+                 "parses (BPE merges as strings, Metaspace with add_prefix_space) and rope_theta at the top level of "
+                 "config.json; config.json here names the folder in base_model_name_or_path")
+
+
 def commands(ctx: ExportContext, out: str, target: str) -> dict:
     return {"python": "from medusa.model.medusa_model import MedusaModel\n"
                       f"model = MedusaModel.from_pretrained({out!r})  # base model: {target}\n"
