@@ -112,7 +112,8 @@ def reference_logits(cfg: dict, tensors: dict, family: str, target, feats, K: in
     L = target.dims.num_layers
     if family == "eagle":
         return reference.eagle1(tensors, cfg, embed, lm_head, feats, K, final=L)
-    mapped = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight")}
+    skip = ("t2d", "embed_tokens.weight")  # not layer weights (the embedding, if carried, came in above)
+    mapped = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items() if k not in skip}
     return reference.eagle3(mapped, cfg, embed, safeailab_aux(L), False, feats, K, "layers.0")
 
 

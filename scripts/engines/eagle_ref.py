@@ -42,5 +42,6 @@ for ids in json.load(open(prompts_json)):
     outputs.append({"tokens": out[0, len(ids):].tolist(), "new": int(new), "rounds": int(rounds) + 1})
 # the rotary frequencies its transformers 4.x Llama built from the target's config.json (rope_theta at top level)
 inv_freq = model.base_model.model.layers[0].self_attn.rotary_emb.inv_freq.tolist()
-print(json.dumps({"inv_freq": inv_freq, "missing": missing, "unused": sorted(set(written) - set(layer)), "loaded_equal": loaded_equal,
+print(json.dumps({"inv_freq": inv_freq, "missing": missing, "unused": sorted(set(written) - set(layer)),
+                  "loaded_equal": loaded_equal,
                   "outputs": outputs}))

@@ -58,5 +58,6 @@ for ids in json.load(open(prompts_json)):
             break
     outputs.append({"tokens": state["ids"][0, len(ids):].tolist(), "accepted": list(rounds)})
 inv_freq = model.model.layers[0].self_attn.rotary_emb.inv_freq.tolist()  # from the target's config.json
-print(json.dumps({"inv_freq": inv_freq, "heads": len(model.medusa_head), "missing": missing, "unused": sorted(set(written) - set(built)),
+print(json.dumps({"inv_freq": inv_freq, "heads": len(model.medusa_head), "missing": missing,
+                  "unused": sorted(set(written) - set(built)),
                   "loaded_equal": loaded_equal, "outputs": outputs}))
