@@ -205,8 +205,14 @@ def load_target(name: str, path: str | None = None, dtype: str = "float32", devi
     if name == "tiny-random" and not path:
         model, tokenizer = _tiny_random()
     else:
+        from safetensors import SafetensorError
+
         where = resolve_path(name, path)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype))
+        except SafetensorError as e:  # not an OSError: callers' one-line handlers would let it through
+            raise OSError(f"cannot read the weights in {where} ({e}); the file is corrupt or truncated: copy or "
+                          "convert the target again") from e
         tokenizer = AutoTokenizer.from_pretrained(where)
         if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ValueError(f"target {name}: model_type {model.config.model_type!r} is not a Llama-family decoder")

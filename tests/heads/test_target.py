@@ -78,3 +78,15 @@ def test_written_target_config_reads_alike_in_transformers_4_and_5(tmp_path):
 def test_missing_target_directory_is_named(path):
     with pytest.raises(FileNotFoundError, match="no such directory"):
         load_target("stories260k", path=path)
+
+
+@pytest.mark.shared
+def test_corrupt_target_weights_are_named(tmp_path):
+    from heads.target import shared_dir
+
+    src = shared_dir() / "models" / "stories260K-hf"
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(OSError, match="corrupt or truncated"):
+        load_target("stories260k", path=str(tmp_path))
