@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from export import eagle, llamacpp, medusa, mtp, sglang, speculators, vllm
-from export.common import ExportRefused
+from export.common import ExportRefused, UserError
 
 # format name -> module with FAMILIES, write, required, expected, reference_logits, commands
 FORMATS = {"vllm": vllm, "sglang": sglang, "speculators": speculators, "llamacpp": llamacpp, "eagle": eagle,
@@ -23,4 +23,4 @@ def format_module(fmt: str, family: str):
     return FORMATS[fmt]
 
 
-__all__ = ["FORMATS", "ExportRefused", "format_module", "formats_for"]
+__all__ = ["FORMATS", "ExportRefused", "UserError", "format_module", "formats_for"]

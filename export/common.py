@@ -21,6 +21,10 @@ class ExportRefused(ValueError):
     """The head cannot be carried by the requested format (the message says what it can go to)."""
 
 
+class UserError(Exception):
+    """Bad input at the door (a missing or corrupt head, an unreadable target): one line naming the fix."""
+
+
 @dataclass
 class Written:
     """One export before it touches disk: config.json, tensors (one safetensors file) and any extra files."""

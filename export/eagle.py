@@ -4,9 +4,15 @@ ea_model_path=OUT, use_eagle3=...)``) loads it.
 Checked against SafeAILab/EAGLE's eagle/model/ea_model.py, cnets1.py (EAGLE-1) and cnets.py (EAGLE-3):
 - ea_model.py reads config.json with EConfig (a LlamaConfig), ``bias`` from it (default **true**: fc gets a bias),
   then pytorch_model.bin or, failing that, model.safetensors, loaded with ``strict=False`` (so every name must be
-  right: a wrong one is silently left at its initialisation). embed_tokens is loaded from the base model
-  (``load_emb=True``), so it is not written; for EAGLE-3, d2t/t2d are deleted when vocab_size ==
+  right: a wrong one is silently left at its initialisation); for EAGLE-3, d2t/t2d are deleted when vocab_size ==
   draft_vocab_size.
+- the draft's token embedding: cnets1.py always reads the base model's ``model.embed_tokens.weight`` (through the
+  target's ``model.safetensors.index.json``); cnets.py does so only when config.json has **no**
+  ``target_hidden_size`` key (``hasattr`` on the config), and otherwise expects ``embed_tokens.weight`` in the draft's
+  own file. So the EAGLE-3 config leaves ``target_hidden_size`` out (fc's width then comes from hidden_size, the
+  same here: our heads share the target's width) and the embedding is not written: the client takes the target's.
+  ``client_embedding`` applies that rule to the written files, so validation uses the embedding the client ends up
+  with, and refuses an export where it would stay random.
 - cnets1.py ``Model``: fc = Linear(2H, H, bias=bias) over cat(embed, hidden); layers.0 without input_layernorm;
   the base model's final-norm hidden state in, its lm_head out. Attention sizes come from
   ``head_dim = hidden_size // num_attention_heads`` (config head_dim is ignored) and reads ``rope_scaling``,
@@ -50,8 +56,8 @@ def refuse_unsupported(ctx: ExportContext) -> None:
 def config(ctx: ExportContext) -> dict:
     extra = {"bias": False, "rope_scaling": None, "pretraining_tp": 1}
     if ctx.family == "eagle3":
-        extra.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=ctx.head.draft_vocab_size,
-                     target_hidden_size=ctx.dims.hidden_size)
+        # no target_hidden_size: its presence makes cnets.py skip loading the target's embedding (see above)
+        extra.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=ctx.head.draft_vocab_size)
     return llama_config(ctx.dims, ctx.dtype, **extra)
 
 
@@ -80,20 +86,42 @@ def expected(cfg: dict, family: str) -> dict:
         out["fc.bias"] = ((H,), None)
     if family == "eagle3":
         out["fc.weight"] = ((H, 3 * cfg.get("target_hidden_size", H)), None)
+        if "target_hidden_size" in cfg:  # cnets.py then reads the embedding from this file, not the target
+            out["embed_tokens.weight"] = ((cfg["vocab_size"], H), None)
         Vd, V = cfg.get("draft_vocab_size", cfg["vocab_size"]), cfg["vocab_size"]
         if Vd != V:
             out["t2d"] = ((V,), torch.bool)
     return out
 
 
+def client_embedding(cfg: dict, tensors: dict, family: str, target) -> torch.Tensor:
+    """The token embedding SafeAILab's loader gives the draft layer, by its rules (cnets1.py / cnets.py
+    ``Model.__init__`` with EaModel's ``load_emb=True``, then ``load_state_dict(strict=False)``)."""
+    if family == "eagle" or "target_hidden_size" not in cfg:
+        return target.embed_tokens.weight
+    if "embed_tokens.weight" in tensors:
+        return tensors["embed_tokens.weight"]
+    raise ValueError("config.json has target_hidden_size, so SafeAILab's cnets.py does not load the target's "
+                     "embedding, and the file has no embed_tokens.weight: the draft layer would keep a random "
+                     "token embedding (strict=False loading, no error)")
+
+
 def reference_logits(cfg: dict, tensors: dict, family: str, target, feats, K: int):
     cfg = {**cfg, "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
-    embed, lm_head = target.embed_tokens.weight.float(), target.lm_head.weight.float()
+    embed, lm_head = client_embedding(cfg, tensors, family, target).float(), target.lm_head.weight.float()
     L = target.dims.num_layers
     if family == "eagle":
         return reference.eagle1(tensors, cfg, embed, lm_head, feats, K, final=L)
-    mapped = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items() if k != "t2d"}
+    skip = ("t2d", "embed_tokens.weight")  # not layer weights (the embedding, if carried, came in above)
+    mapped = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items() if k not in skip}
     return reference.eagle3(mapped, cfg, embed, safeailab_aux(L), False, feats, K, "layers.0")
+
+
+# What SafeAILab's code (transformers 4.53) needs of the target folder beyond what HF writes; export READMEs say it.
+TARGET_FOLDER = ("model.safetensors.index.json beside the weights (cnets finds the embedding through it), a tokenizer "
+                 "AutoTokenizer opens with use_fast=False (tokenizer.model or vocab.json + merges.txt, or "
+                 "tokenizer_class PreTrainedTokenizerFast in tokenizer_config.json), no list-valued "
+                 "extra_special_tokens, and rope_theta at the top level of config.json")
 
 
 def commands(ctx: ExportContext, out: str, target: str) -> dict:

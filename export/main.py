@@ -28,7 +28,7 @@ import shutil  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from export import ExportRefused, format_module  # noqa: E402
+from export import ExportRefused, UserError, format_module  # noqa: E402
 from export.common import ExportContext, read_dir, write_dir  # noqa: E402
 from export.readme import render_readme  # noqa: E402
 from export.validate import (check_config, check_forward, check_identity, check_keys, check_vocab_map,  # noqa: E402
@@ -138,10 +138,19 @@ def prepare(head_path, fmt: str, target_path: str | None = None, target_dtype: s
     """Load the head and its target and resolve everything a format needs: (format module, ExportContext).
     Refuses (ExportRefused) before loading the target when the format cannot carry the head's family."""
     head_path = Path(head_path)
-    head, head_config = load_head(head_path)
+    if not head_path.is_dir():
+        raise UserError(f"head_path={head_path}: no such directory; pass the head/ directory a training run wrote "
+                        "(DIR/head)")
+    try:
+        head, head_config = load_head(head_path)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"head_path={head_path}: {e}") from e
     module = format_module(fmt, head.family)
     target_name = head_config.get("target", {}).get("name", "tiny-random")
-    target = load_target(target_name, path=target_path, dtype=target_dtype)
+    try:
+        target = load_target(target_name, path=target_path, dtype=target_dtype)
+    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError; from_pretrained raises both
+        raise UserError(f"cannot load target {target_path or target_name}: {str(e).splitlines()[0]}") from e
     head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
     recommended, acceptance = measurements(head_path, head_config, bench)
     ctx = ExportContext(
@@ -194,6 +203,9 @@ def _hydra_main():
             export(cfg)
         except ExportRefused as e:  # a format that cannot carry the head: one line, not a traceback
             sys.exit(f"export refused: {e}")
+        except UserError as e:  # as train/ and serve/ answer bad input: one line, exit status 2
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
 
     main()
 

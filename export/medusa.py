@@ -8,6 +8,10 @@ Checked against FasterDecoding/Medusa medusa/model/medusa_model.py:
   ``[ResBlock(H)] * n`` repeats *one* module, so every layer of a head shares weights: only heads with
   num_layers == 1 can go here (use format=vllm otherwise).
 - it reads the base model's final-norm hidden state (outputs[0]) and applies x + SiLU(linear(x)).
+- ``from_pretrained`` on such a directory (config.json without model_type, so ``AutoConfig`` fails into the
+  MEDUSA-v0.1 branch) sets ``medusa_num_heads = 5`` whatever config.json says: it always builds 5 heads. A head
+  with fewer would leave the rest random, more would be silently dropped, so only 5-head heads go here (the
+  training default); ``expected`` builds the key set from those 5, not from the written config.
 The same tensors are also written as medusa_lm_head.safetensors (what their training script, TGI and
 TensorRT-LLM read), and config.json carries medusa_fc_bias: true so vLLM's Medusa loader, which remaps these old
 names (vllm medusa.py ``_remap_old_checkpoint_key``), keeps the biases instead of dropping them.
@@ -24,6 +28,7 @@ from export import reference
 from export.common import ExportContext, ExportRefused, Written
 
 FAMILIES = ("medusa",)
+CLIENT_HEADS = 5  # medusa_model.py, MedusaModelABC.from_pretrained: base_model_config.medusa_num_heads = 5
 WEIGHTS = "medusa_lm_head.safetensors"
 PICKLE = "medusa_lm_head.pt"
 
@@ -34,6 +39,11 @@ def write(ctx: ExportContext) -> Written:
         raise ExportRefused(f"FasterDecoding's Medusa ties the {head.num_layers} ResBlocks of a head ([ResBlock] * n); "
                             "this head's are independent; use format=vllm")
     H, K = ctx.dims.hidden_size, head.num_steps
+    if K != CLIENT_HEADS:
+        fate = "leave the rest random" if K < CLIENT_HEADS else "drop the rest"
+        raise ExportRefused(f"FasterDecoding's MedusaModel.from_pretrained always builds {CLIENT_HEADS} heads; this "
+                            f"head has {K}, so the client would {fate}; train with "
+                            f"head.hparams.num_steps={CLIENT_HEADS} (the default) or use format=vllm")
     tensors = {}
     for h in range(K):
         tensors[f"{h}.0.linear.weight"] = state[f"blocks.{h}.layers.0.weight"]
@@ -53,9 +63,10 @@ def required(ctx: ExportContext) -> dict:
 
 
 def expected(cfg: dict, family: str) -> dict:
+    """The client's parameter set: CLIENT_HEADS heads, whatever config.json says (see above)."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     out = {}
-    for h in range(cfg["medusa_num_heads"]):
+    for h in range(CLIENT_HEADS):
         for layer in range(cfg["medusa_num_layers"]):
             out[f"{h}.{layer}.linear.weight"] = ((H, H), None)
             out[f"{h}.{layer}.linear.bias"] = ((H,), None)
@@ -75,6 +86,13 @@ def check_pickle(out_dir) -> None:
     stored = load_file(str(Path(out_dir) / WEIGHTS))
     if set(pickled) != set(stored) or any(not torch.equal(pickled[k], stored[k]) for k in stored):
         raise ValueError(f"{PICKLE} and {WEIGHTS} differ")
+
+
+# What FasterDecoding's code (transformers 4.34) needs of the target folder; export READMEs say it.
+TARGET_FOLDER = ("a tokenizer_config.json transformers 4.34 reads (a known tokenizer_class such as "
+                 "PreTrainedTokenizerFast, no list-valued extra_special_tokens), a tokenizer.json tokenizers 0.14 "
+                 "parses (BPE merges as strings, Metaspace with add_prefix_space) and rope_theta at the top level of "
+                 "config.json; config.json here names the folder in base_model_name_or_path")
 
 
 def commands(ctx: ExportContext, out: str, target: str) -> dict:

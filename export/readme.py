@@ -45,6 +45,8 @@ def render_readme(fmt: str, module, ctx: ExportContext, meta: dict, out: str) ->
     for name, command in module.commands(ctx, out, target).items():
         lang = "python" if name in ("python", "load") or command.startswith(("from ", "LLM(")) else "bash"
         lines += [f"{name}:", "", f"```{lang}", command, "```", ""]
+    if getattr(module, "TARGET_FOLDER", None):
+        lines += [f"Target folder: this client also needs {module.TARGET_FOLDER}.", ""]
     if fmt == "mtp":
         lines += ["No serving engine runs MTP modules on a Llama target (vLLM's and SGLang's MTP proposers belong to",
                   "specific target architectures and read these layers from the target's own checkpoint). Decode with",

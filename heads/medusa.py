@@ -33,7 +33,7 @@ class ResBlock(nn.Module):
 class Medusa(DraftHead):
     family = "medusa"
 
-    def __init__(self, dims: TargetDims, num_steps: int = 4, num_layers: int = 1, bias: bool = True):
+    def __init__(self, dims: TargetDims, num_steps: int = 5, num_layers: int = 1, bias: bool = True):
         super().__init__(dims, num_steps)
         self.num_layers, self.bias = num_layers, bias
         self.blocks = nn.ModuleList(ResBlock(dims.hidden_size, num_layers, bias) for _ in range(num_steps))

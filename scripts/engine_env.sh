@@ -94,7 +94,8 @@ ref_env() {
   echo "$stamp" > "$dir/.stamp"; echo "READY $name $dir"
 }
 eagle_ref_env() { ref_env eagle_ref "torch==2.13.0 transformers==4.53.3 accelerate sentencepiece protobuf"; }
-medusa_ref_env() { ref_env medusa_ref "torch==2.13.0 transformers==4.34.1 accelerate sentencepiece protobuf numpy<2"; }
+# accelerate pinned to its 2023 line: later ones import huggingface_hub APIs newer than tokenizers 0.14 allows
+medusa_ref_env() { ref_env medusa_ref "torch==2.13.0 transformers==4.34.1 accelerate==0.24.1 sentencepiece protobuf numpy<2"; }
 
 # One builder at a time per part (tests and a developer may call this concurrently).
 run_locked() { exec 9>"$VENVS/.$1.lock"; flock 9; "$1_env"; }

@@ -38,6 +38,8 @@ def pair_hparams():
 
 def hparams_for(family: str, fmt: str, target) -> dict:
     """Hyper-parameters that exercise each format's hard cases where the format can carry them."""
+    if family == "medusa" and fmt == "medusa":
+        return {"num_steps": 5}  # FasterDecoding's loader builds exactly 5 heads
     if family == "eagle3":
         hp = {"draft_vocab_size": target.dims.vocab_size // 2}
         if fmt != "eagle":  # SafeAILab's code reads only (2, L//2, L-3)

@@ -1,8 +1,9 @@
 """What the real-engine tests share: the engine venvs, the prompts, and briefly trained SmolLM2 heads.
 
-The engines (vLLM, speculators, llama.cpp) live in their own venvs built by scripts/engine_env.sh; the tests only
-talk to them through subprocesses and files (scripts/engines/*), so the engines' pinned torch/transformers never
-meet ours. Missing engines skip the tests unless REQUIRE_ENGINES=1 (CI), which turns the skip into a failure.
+The engines (vLLM, speculators, llama.cpp, the EAGLE and Medusa reference clients) live in their own venvs built
+by scripts/engine_env.sh; the tests only talk to them through subprocesses and files (scripts/engines/*), so the
+engines' pinned torch/transformers never meet ours. Missing engines skip the tests unless REQUIRE_ENGINES=1 (CI),
+which turns the skip into a failure.
 
 Fixture heads: the engine tests need heads that accept often enough for per-position acceptance to be meaningful,
 trained in a minute on 2 CPU cores. ``train_fixture_head`` distils the head on the target's own greedy answers to
@@ -53,7 +54,7 @@ def skip_or_fail(reason: str):
 
 
 def engine_env(part: str) -> Path:
-    """Create (or reuse) the venv for ``part`` ('vllm' | 'llamacpp') and return its directory."""
+    """Create (or reuse) the venv for ``part`` (vllm, llamacpp, eagle_ref, medusa_ref) and return its directory."""
     t0 = time.time()
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "engine_env.sh"), part], capture_output=True, text=True,
                           timeout=1800)
@@ -123,10 +124,10 @@ def _sliced(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
 
 
 def new_head(family: str, target, token_counts: torch.Tensor | None = None, seed: int = 0,
-             randomize: bool = False):
+             randomize: bool = False, num_steps: int = GAMMA):
     """A fresh head as train/ would start it; ``randomize`` also scrambles Medusa's identity blocks."""
     torch.manual_seed(seed)
-    hp = {"num_steps": GAMMA}
+    hp = {"num_steps": num_steps}
     if family == "eagle3":
         hp["draft_vocab_size"] = 4096
     head = build_head(family, target.dims, **hp)
@@ -142,15 +143,17 @@ def new_head(family: str, target, token_counts: torch.Tensor | None = None, seed
     return head
 
 
-def train_fixture_head(family: str, target, prompts, answers, steps: int = 150, lr: float = 2e-3, seed: int = 0):
+def train_fixture_head(family: str, target, prompts, answers, steps: int = 150, lr: float = 2e-3, seed: int = 0,
+                       num_steps: int = GAMMA):
     """Distil a head on the target's greedy answers (hard labels: the target's argmax), loss over a token subset."""
     ids, attn, mask = _batch(prompts, answers, target.tokenizer.pad_token_id)
-    probe = new_head(family, target, torch.ones(target.dims.vocab_size), seed)
+    probe = new_head(family, target, torch.ones(target.dims.vocab_size), seed, num_steps=num_steps)
     feats = target.features(ids, mask, attn, layers=probe.feature_layers)
     labels = feats.target_logits.argmax(-1)  # [B, T]: the target's greedy next token at each position
     counts = torch.zeros(target.dims.vocab_size)
     counts.index_add_(0, feats.target_logits[mask].topk(16, -1).indices.flatten(), torch.ones(mask.sum() * 16))
-    head = new_head(family, target, counts + torch.bincount(labels[mask], minlength=counts.numel()) * 100, seed)
+    head = new_head(family, target, counts + torch.bincount(labels[mask], minlength=counts.numel()) * 100, seed,
+                    num_steps=num_steps)
     # The vocabulary the loss runs over: the draft vocab for EAGLE-3, the top-16 tokens elsewhere.
     vocab = head.draft_to_target if family == "eagle3" else counts.nonzero().squeeze(1)
     index = torch.full((target.dims.vocab_size,), -1, dtype=torch.long)

@@ -111,11 +111,47 @@ def test_sglang_eagle1_needs_its_zero_bias(exported):
         validate_export(out, "sglang", ctx, feats)
 
 
+def test_safeailab_eagle3_embedding_follows_the_clients_rule(exported):
+    """cnets.py skips the target's embedding when config.json has target_hidden_size; the draft then reads
+    embed_tokens.weight from its own file, else keeps a random one. The checks read the files by that rule."""
+    out, ctx, feats = exported("eagle3", "eagle", draft_vocab_size=64)
+    assert "target_hidden_size" not in json.loads((out / "config.json").read_text())
+    assert "embed_tokens.weight" not in load_file(str(out / "model.safetensors"))
+    corrupt(out, "eagle", config=lambda c: c.update(target_hidden_size=64))  # the defect, reintroduced
+    with pytest.raises(ValueError, match="missing \\['embed_tokens.weight'\\]"):
+        validate_export(out, "eagle", ctx, feats)
+    from export.eagle import reference_logits
+    from export.common import read_dir
+    with pytest.raises(ValueError, match="random token embedding"):  # the forward alone refuses it too
+        reference_logits(*read_dir(out), "eagle3", ctx.target, feats, 3)
+    random_embed = torch.randn(ctx.dims.vocab_size, 64)
+    corrupt(out, "eagle", tensors=lambda t: t.update({"embed_tokens.weight": random_embed}))
+    with pytest.raises(ValueError, match="reference forward differs"):  # the forward uses the file's embedding
+        validate_export(out, "eagle", ctx, feats)
+    corrupt(out, "eagle", tensors=lambda t: t.update({"embed_tokens.weight": ctx.target.embed_tokens.weight.clone()}))
+    validate_export(out, "eagle", ctx, feats)  # carrying the target's own embedding is the other valid layout
+
+
 def test_medusa_pickle_must_match(exported):
-    out, ctx, feats = exported("medusa", "medusa")
+    out, ctx, feats = exported("medusa", "medusa", num_steps=5)
     torch.save({"0.0.linear.weight": torch.zeros(1)}, out / "medusa_lm_head.pt")
     with pytest.raises(ValueError, match="differ"):
         validate_export(out, "medusa", ctx, feats)
+
+
+def test_medusa_keys_are_the_five_heads_its_loader_builds(exported, tiny_target, head_dir, run_export, tmp_path):
+    out, ctx, feats = exported("medusa", "medusa", num_steps=5)
+
+    def four_heads(t):  # what a 4-head export looked like: the client's fifth head stayed random
+        for k in [k for k in t if k.startswith("4.")]:
+            t.pop(k)
+
+    corrupt(out, "medusa", tensors=four_heads, config=lambda c: c.update(medusa_num_heads=4))
+    with pytest.raises(ValueError, match="missing \\['4.0.linear.bias', '4.0.linear.weight', '4.1.weight'\\]"):
+        validate_export(out, "medusa", ctx, feats)
+    head_path, _ = head_dir(tiny_target, "medusa", name="four", num_steps=4)
+    with pytest.raises(ExportRefused, match="always builds 5 heads; this head has 4"):
+        run_export(head_path, "medusa", tmp_path / "four")
 
 
 def test_target_identity_is_checked(exported):
@@ -194,10 +230,37 @@ def test_hydra_entry_writes_the_files_and_refuses_in_one_line(tiny_target, head_
                                        "export to: vllm, sglang, speculators, llamacpp, eagle")
 
 
+@pytest.mark.parametrize("case,message", [
+    ("missing head", "error: head_path=/missing/head: no such directory; pass the head/ directory a training run "
+                     "wrote (DIR/head)"),
+    ("corrupt weights", "error: head_path={head}: cannot read {head}/model.safetensors: "),
+    ("missing target", "error: cannot load target /nonexistent: target path /nonexistent: no such directory; pass "
+                       "the target's HF model directory (config.json, weights, tokenizer)"),
+])
+def test_bad_input_is_one_line(tiny_target, head_dir, tmp_path, monkeypatch, capsys, case, message):
+    """What train/ and serve/ do with bad input: one line naming the fix, exit status 2, no traceback."""
+    from export.main import _hydra_main
+
+    head_path, _ = head_dir(tiny_target, "eagle")
+    args = [f"head_path={head_path}", "format=eagle", f"out={tmp_path / 'out'}"]
+    if case == "missing head":
+        args[0] = "head_path=/missing/head"
+    elif case == "corrupt weights":
+        (head_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    else:
+        args.append("target_path=/nonexistent")
+    monkeypatch.setattr(sys, "argv", ["export/main.py", *args])
+    with pytest.raises(SystemExit) as exit_:
+        _hydra_main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(message.format(head=head_path)), err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_cli_subprocess(tiny_target, head_dir, tmp_path):
     """`python export/main.py ...` as a user types it (its own process: sys.path, Hydra, exit status)."""
-    head_path, _ = head_dir(tiny_target, "medusa")
+    head_path, _ = head_dir(tiny_target, "medusa", num_steps=5)
     cmd = [sys.executable, str(ROOT / "export" / "main.py"), f"head_path={head_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ok = subprocess.run(cmd + ["format=medusa", "out=fd"], capture_output=True, text=True, timeout=300, cwd=tmp_path,

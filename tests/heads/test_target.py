@@ -41,3 +41,52 @@ def test_smollm2_embedded_default_loads():
     out = target.model.generate(**prompt, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def rotary_inv_freq_4x(config: dict) -> torch.Tensor:
+    """transformers 4.x's LlamaRotaryEmbedding for a default-rope config: ``rope_theta`` at the top level, else
+    its default 10000 (``rope_parameters`` is a 5.x field a 4.x reader ignores)."""
+    assert config.get("rope_scaling") is None, "4.x would read rope_scaling as another rope type"
+    hd = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    theta = config.get("rope_theta", 10000.0)
+    return 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd)
+
+
+def test_written_target_config_reads_alike_in_transformers_4_and_5(tmp_path):
+    """A target directory the project writes gives 4.x and 5.x readers the same rotary frequencies (SmolLM2's
+    base is 100000; a 4.x reader of transformers 5's plain save_pretrained output silently uses 10000)."""
+    import json
+
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from heads.target import _tiny_random, write_portable_config
+
+    model, _ = _tiny_random(rope_theta=100000.0)
+    model.save_pretrained(tmp_path)
+    read_5x = LlamaRotaryEmbedding(AutoConfig.from_pretrained(tmp_path)).inv_freq
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert not torch.allclose(rotary_inv_freq_4x(raw), read_5x)  # the defect the portable config exists for
+    write_portable_config(tmp_path)
+    fixed = json.loads((tmp_path / "config.json").read_text())
+    torch.testing.assert_close(rotary_inv_freq_4x(fixed), read_5x)
+    torch.testing.assert_close(LlamaRotaryEmbedding(AutoConfig.from_pretrained(tmp_path)).inv_freq, read_5x)
+    assert fixed["torch_dtype"] == fixed["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("path", ["/nonexistent", "./missing/model", "~/no/such/dir"])
+def test_missing_target_directory_is_named(path):
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_target("stories260k", path=path)
+
+
+@pytest.mark.shared
+def test_corrupt_target_weights_are_named(tmp_path):
+    from heads.target import shared_dir
+
+    src = shared_dir() / "models" / "stories260K-hf"
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(OSError, match="corrupt or truncated"):
+        load_target("stories260k", path=str(tmp_path))
