@@ -1,5 +1,5 @@
 """Side-by-side decoding speed on one target: HF generate, HF prompt lookup, HF assistant early exit, this runner
-vanilla, and this runner with each head (chain, and tree where the family has one), at greedy and T=1.
+vanilla, and this runner with each head (chain, tree where the family has one, and adaptive γ), at greedy and T=1.
 
     python scripts/bench.py --heads runs/eagle3 runs/eagle runs/medusa runs/mtp --out bench_out
     python scripts/bench.py --quick --target tiny-random --out /tmp/bench   # smoke test: untrained heads, seconds
@@ -30,6 +30,7 @@ from heads.checkpoint import check_target, load_head
 from heads.losses import tau_predicted
 from heads.target import load_target, shared_dir
 from serve import auto
+from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.main import load_prompts, make_tree, stop_ids
 from serve.model import Transformer
@@ -106,7 +107,8 @@ def alphas_for(h, temperature):
 
 
 def settings_for(h, alphas, costs) -> list[dict]:
-    """The chain and (where the family has one) the tree the runner would pick; defaults without α."""
+    """The chain and (where the family has one) the tree the runner would pick, and adaptive γ; defaults without
+    α (and no adaptive row: it needs α as its prior)."""
     head, family = h["head"], h["head"].family
     steps = head.max_draft_steps
     tree = TREES.get(family)
@@ -121,13 +123,15 @@ def settings_for(h, alphas, costs) -> list[dict]:
         return out
     rows = auto.candidates(family, steps, alphas, tree)
     best = lambda cands: max(cands, key=lambda s: auto.predict(s, alphas, costs["r"], costs["c"])["speedup_predicted"])
-    out = [best([s for s in rows if "gamma" in s])]
+    out = [best([s for s in rows if s.get("gamma")])]  # γ = 0 is the vanilla row
     if tree:
         out.append(best([s for s in rows if "tree" in s]))
-    return out
+    return out + [{"adaptive": True}]
 
 
 def describe(s: dict) -> str:
+    if s.get("adaptive"):
+        return "adaptive γ"
     if "gamma" in s:
         return f"chain γ={s['gamma']}"
     if s["tree"] == "static":
@@ -163,14 +167,18 @@ def hf_runner(target, kind, args, stops):
     return run
 
 
-def our_runner(model, head, setting, stops, max_new_tokens):
+def our_runner(model, head, setting, stops, max_new_tokens, alphas=None, costs=None):
     tree = make_tree(setting, model.device) if "tree" in setting else None
     decoders = {}
 
     def run(prompt, temperature, seed):
         if temperature not in decoders:
+            adaptive = None
+            if setting.get("adaptive"):
+                steps = head.max_draft_steps or len(alphas)
+                adaptive = Adaptive(alphas[:steps], costs["r"], costs["c"])
             decoders[temperature] = Decoder(model, head, Sampling(temperature), gamma=setting.get("gamma", 0),
-                                            tree=tree)
+                                            tree=tree, adaptive=adaptive)
         dec = decoders[temperature]
         dec.generator.manual_seed(seed)
         return generate(dec, prompt, max_new_tokens, stops)
@@ -211,8 +219,8 @@ def main():
             alphas = alphas_for(h, T)
             for s in settings_for(h, alphas, h["costs"]):
                 name = f"{h['label']}: {describe(s)}"
-                methods[name] = {"run": our_runner(model, h["head"], s, stops, args.max_new_tokens), "setting": s,
-                                 "head": h, "alphas": alphas}
+                methods[name] = {"run": our_runner(model, h["head"], s, stops, args.max_new_tokens, alphas,
+                                                   h["costs"]), "setting": s, "head": h, "alphas": alphas}
         for m in methods.values():
             m.update(tokens=0, seconds=0.0, stats=Stats())
             m["run"](torch.tensor(prompts[0]["prompt_ids"][:32], device=device), T, 0)  # warm-up
@@ -246,7 +254,11 @@ def summarise(methods) -> list[dict]:
     for name, m in methods.items():
         row = {"method": name, "tokens": m["tokens"], "seconds": m["seconds"], "tokens_per_s": tps[name],
                "x_hf_generate": tps[name] / tps["hf_generate"], "x_vanilla": tps[name] / tps["vanilla"]}
-        if "setting" in m:
+        if m.get("setting", {}).get("adaptive"):
+            summary = m["stats"].summary()
+            row.update(setting={"adaptive": True}, tau_measured=summary["tau_measured"],
+                       rounds_per_gamma=summary["rounds_per_draft_depth"])
+        elif "setting" in m:
             s, summary = m["setting"], m["stats"].summary()
             rates = summary["accept_rate_per_position"]
             pred = predicted(s, rates, m["head"]["costs"])

@@ -3,6 +3,8 @@
 A round costs one target pass over n tokens, r(n) in units of a one-token pass, plus the head calls, c each (same
 unit); it yields E tokens on average. Predicted speedup over vanilla decoding = E / (r(n) + calls · c):
 - chain γ: n = γ + 1, calls = γ (commit + γ − 1 steps), E = heads.losses.tau_predicted(α)[γ];
+- γ = 0, plain decoding: n = 1, no head calls, E = 1, so exactly 1×. It is a candidate like the others, so a head
+  that nothing predicts to pay for is switched off rather than served at a loss;
 - tree of N drafted nodes and depth D: n = N + 1, calls = D (EAGLE-2: commit + one multi-node step per level;
   Medusa: its D heads), E from serve/tree.py's positional-acceptance model (an approximation: it treats each
   rejected sibling as leaving the next the same chance α_d).
@@ -95,7 +97,7 @@ def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> dict
 def candidates(family: str, max_steps: int | None, alphas: list[float], tree: str | None):
     """Settings to compare: chain γ up to the measured positions (and the head's limit); trees where they apply."""
     top = len(alphas) if max_steps is None else min(len(alphas), max_steps)
-    out = [{"gamma": g} for g in range(1, top + 1)]
+    out = [{"gamma": g} for g in range(0, top + 1)]
     if tree == "static" and family == "medusa":
         for depth in range(2, top + 1):
             paths = [p for p in MEDUSA_TREE if len(p) <= depth]
@@ -109,6 +111,8 @@ def candidates(family: str, max_steps: int | None, alphas: list[float], tree: st
 
 
 def predict(setting: dict, alphas: list[float], r: dict, c: float) -> dict:
+    if setting.get("gamma") == 0:
+        return {"tau_predicted": 1.0, "r": 1.0, "cost": 1.0, "speedup_predicted": 1.0}
     if "gamma" in setting:
         n, calls = setting["gamma"] + 1, setting["gamma"]
         tau = tau_predicted(alphas[: setting["gamma"]])[setting["gamma"]]
@@ -142,6 +146,7 @@ def choose(family: str, max_steps: int | None, alphas: list[float], costs: dict,
     for s in candidates(family, max_steps, alphas, tree):
         row = {k: v for k, v in s.items() if k != "tree_paths"}
         table.append({**row, **predict(s, alphas, costs["r"], costs["c"])})
+    # max keeps the first of equals: speculation must predict more than plain decoding (candidate 0) to win
     best = max(range(len(table)), key=lambda i: table[i]["speedup_predicted"])
     choice = candidates(family, max_steps, alphas, tree)[best]
     return {"choice": choice, "predicted": table[best], "table": table}

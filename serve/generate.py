@@ -14,6 +14,10 @@ Trees (serve/tree.py) go through the same three phases: the pass covers every no
 accepted path's cache rows are gathered into consecutive slots. p and q always go through the same
 temperature / top-k / top-p (heads.sampling). Host syncs per round: one (the verdict), plus one for a dynamic
 tree's shape.
+
+With ``adaptive`` (serve/adaptive.py) γ is re-chosen before every round from the acceptance seen so far; a round
+with γ = 0 is plain decoding and skips the head entirely: its target features wait in a backlog that the head
+commits in one call when speculation resumes.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from heads.sampling import probs_from_logits
+from serve.adaptive import Adaptive
 from serve.tree import DynamicTree, StaticTree, TreeDraft
 from serve.verify import sample, verify_chain_batched, verify_tree_batched
 
@@ -53,10 +58,11 @@ class Stats:
     accepted: list[int] = field(default_factory=list)  # ... and kept
     alpha_sum: list[float] = field(default_factory=list)  # Σ min(p, q) at reached positions (chain)
     accept_hist: list[int] = field(default_factory=list)  # rounds that kept a drafts, a = 0, 1, ...
+    depth_hist: list[int] = field(default_factory=list)  # rounds that drafted d deep (chain: γ = d), d = 0, 1, ...
 
     def add_round(self, n_accepted: int, depth: int, alpha: list[float] = ()) -> None:
         for lst, size in ((self.reached, depth), (self.accepted, depth), (self.alpha_sum, depth),
-                          (self.accept_hist, depth + 1)):
+                          (self.accept_hist, depth + 1), (self.depth_hist, depth + 1)):
             lst.extend([0] * (size - len(lst)))
         for i in range(min(n_accepted + 1, depth)):
             self.reached[i] += 1
@@ -65,13 +71,14 @@ class Stats:
         for i, a in enumerate(alpha[: n_accepted + 1]):
             self.alpha_sum[i] += a
         self.accept_hist[n_accepted] += 1
+        self.depth_hist[depth] += 1
         self.target_passes += 1
         self.emitted += n_accepted + 1
 
     def merge(self, other: "Stats") -> None:
         for name in ("new_tokens", "emitted", "target_passes", "prefills", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("reached", "accepted", "alpha_sum", "accept_hist"):
+        for name in ("reached", "accepted", "alpha_sum", "accept_hist", "depth_hist"):
             mine, theirs = getattr(self, name), getattr(other, name)
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, v in enumerate(theirs):
@@ -87,7 +94,7 @@ class Stats:
             "target_passes": self.target_passes, "prefill_passes": self.prefills,
             "accept_rate_per_position": rate, "alpha_per_position": alpha if any(self.alpha_sum) else None,
             "reached_per_position": self.reached, "accepted_per_position": self.accepted,
-            "accept_length_hist": self.accept_hist,
+            "accept_length_hist": self.accept_hist, "rounds_per_draft_depth": self.depth_hist,
         }
 
 
@@ -101,6 +108,7 @@ class Decoder:
     gamma: int = 0  # chain drafts per round (0: vanilla)
     tree: StaticTree | DynamicTree | None = None
     seed: int = 0
+    adaptive: Adaptive | None = None  # re-choose γ every round (chain only); gamma is then its latest choice
     # per-sequence state, set by prefill
     length: int = 0  # target cache rows that hold accepted tokens
     next_token: torch.Tensor | None = None  # [1] the last emitted token, not yet in the target cache
@@ -108,6 +116,7 @@ class Decoder:
     head_logits: torch.Tensor | None = None  # [1, V] draft step 1 at the anchor
     head_state: object = None
     round_alpha: list[float] = field(default_factory=list)  # Σ min(p, q) per drafted position, this round
+    backlog: list = field(default_factory=list)  # (hidden, tokens, start) of plain rounds the head has not seen
     stats: Stats = field(default_factory=Stats)
 
     def __post_init__(self):
@@ -119,14 +128,18 @@ class Decoder:
             raise ValueError(f"a dynamic tree needs a head with step_tree (eagle, eagle3), not {self.head.family}")
         if isinstance(self.tree, StaticTree) and self.head.family != "medusa":
             raise ValueError(f"static trees draft each depth independently (Medusa); not for {self.head.family}")
+        if self.adaptive is not None and (self.head is None or self.tree is not None):
+            raise ValueError("adaptive γ needs a draft head and chain drafting (no tree)")
         steps = self.head.max_draft_steps if self.head is not None else None
-        if steps is not None and self.gamma > steps:
-            raise ValueError(f"gamma={self.gamma} exceeds the {self.head.family} head's {steps} draft steps")
+        top = self.adaptive.max_gamma if self.adaptive is not None else self.gamma
+        if steps is not None and top > steps:
+            raise ValueError(f"gamma={top} exceeds the {self.head.family} head's {steps} draft steps")
 
     @property
     def draft_width(self) -> int:
         """Slots past the sequence a round may write (target and head caches)."""
-        return max(self.gamma, self.tree.size if self.tree else 0) + 1
+        top = self.adaptive.max_gamma if self.adaptive is not None else self.gamma
+        return max(top, self.tree.size if self.tree else 0) + 1
 
 
 # -- phases ----------------------------------------------------------------------------------------------------
@@ -195,6 +208,7 @@ def verify(dec: Decoder, drafted):
         flat = torch.cat([n.float(), final.float(), draft_tokens.float(), alpha]).tolist()
         dec.round_alpha = flat[2 + dec.gamma:]
     else:
+        dec.round_alpha = []
         flat = torch.cat([n, final, draft_tokens]).tolist()
     n, final = int(flat[0]), int(flat[1])
     return (None, [int(t) for t in flat[2 : 2 + n]] + [final]), hidden
@@ -214,20 +228,39 @@ def accept(dec: Decoder, verdict, hidden) -> list[int]:
         hidden = {k: h[:, :n] for k, h in hidden.items()}
     depth = dec.tree.depth if dec.tree is not None else dec.gamma
     dec.stats.add_round(n - 1, depth, dec.round_alpha if path is None else ())
+    if dec.adaptive is not None:
+        dec.adaptive.observe(dec.gamma, dec.round_alpha[:n])  # the reached positions: accepted + 1
     tokens = torch.tensor(emitted, device=dec.model.device)
     dec.length, dec.next_token = start + n, tokens[-1:]
     if dec.head is not None:
-        dec.head_logits, dec.head_state = dec.head.commit(dec.head_cache, hidden, tokens[None], start)
+        if dec.adaptive is not None and dec.gamma == 0:
+            dec.backlog.append((hidden, tokens[None], start))
+        else:
+            dec.head_logits, dec.head_state = dec.head.commit(dec.head_cache, hidden, tokens[None], start)
     return emitted
+
+
+def choose_gamma(dec: Decoder) -> None:
+    """Adaptive: this round's γ; when it drafts, first commit the plain rounds' features the head missed."""
+    dec.gamma = dec.adaptive.choose()
+    if dec.gamma and dec.backlog:
+        hidden = {k: torch.cat([h[k] for h, _, _ in dec.backlog], dim=1) for k in dec.backlog[0][0]}
+        tokens = torch.cat([t for _, t, _ in dec.backlog], dim=1)  # [1, n]
+        dec.head_logits, dec.head_state = dec.head.commit(dec.head_cache, hidden, tokens, dec.backlog[0][2])
+        dec.backlog = []
 
 
 @torch.no_grad()
 def generate(dec: Decoder, prompt: torch.Tensor, max_new_tokens: int, stop_ids=()) -> tuple[list[int], Stats]:
     """Decode up to max_new_tokens after prompt [P] (stopping after a stop id). Returns (tokens, this call's stats)."""
-    dec.stats = Stats()
+    dec.stats, dec.backlog = Stats(), []
+    if dec.adaptive is not None:
+        dec.adaptive.reset()
     t0 = time.perf_counter()
     out = [prefill(dec, prompt, max_new_tokens)]
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        if dec.adaptive is not None:
+            choose_gamma(dec)
         drafted = draft(dec)
         verdict, hidden = verify(dec, drafted)
         out += accept(dec, verdict, hidden)

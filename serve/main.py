@@ -5,7 +5,9 @@
 
 No head_path: vanilla decoding through the same loop. Writes OUT/generations.jsonl (one line per prompt:
 question_id, prompt_ids, token_ids, text) and OUT/bench.json (tokens/s, τ measured, acceptance per position,
-target passes, the settings, and with gamma=auto the choice and the α/cost inputs it came from). ``serve(cfg)``
+target passes, the settings, and with gamma=auto the choice and the α/cost inputs it came from). gamma=auto may
+choose γ = 0 (plain decoding, the head unused) when no setting predicts a speedup; gamma=adaptive re-chooses γ
+every round from the acceptance the request sees (serve/adaptive.py). ``serve(cfg)``
 is a plain function; ``main`` turns bad input into one line on stderr.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from heads import chat
 from heads.checkpoint import check_target, load_head
 from heads.target import load_target, resolve_dtype, shared_dir
 from serve import auto
+from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.model import Transformer
 from serve.tree import MEDUSA_TREE, DynamicTree, StaticTree
@@ -135,7 +138,7 @@ def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
         raise UserError(f"tree=static drafts with Medusa heads; this head is {head.family} (try tree=dynamic)")
     if cfg.tree == "dynamic" and head.family not in ("eagle", "eagle3"):
         raise UserError(f"tree=dynamic needs an eagle/eagle3 head; this head is {head.family}")
-    if cfg.gamma != "auto":
+    if cfg.gamma not in ("auto", "adaptive"):
         if cfg.tree == "static":
             paths = [tuple(p) for p in cfg.tree_paths] if cfg.tree_paths else MEDUSA_TREE
             paths = [p for p in paths if len(p) <= head.max_draft_steps]
@@ -147,19 +150,29 @@ def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
         try:
             gamma = int(cfg.gamma)
         except (TypeError, ValueError) as e:
-            raise UserError(f"gamma={cfg.gamma}: an integer or auto") from e
+            raise UserError(f"gamma={cfg.gamma}: an integer, auto or adaptive") from e
         return {"gamma": gamma}, None
+    if cfg.gamma == "adaptive" and cfg.tree:
+        raise UserError("gamma=adaptive re-chooses a chain's γ each round; drop tree= (or use gamma=auto)")
     try:
         acc = auto.find_acceptance(head_dir, cfg.acceptance_path)
         alphas, alpha_t = auto.read_alphas(acc, cfg.temperature)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from e
+    if cfg.gamma == "adaptive":
+        alphas = alphas[: head.max_draft_steps] if head.max_draft_steps is not None else alphas
+        costs = auto.measure_costs(model, head, range(1, len(alphas) + 2))
+        return {"adaptive": True}, {"acceptance_json": str(acc), "alpha": alphas, "alpha_temperature": alpha_t,
+                                    "costs": costs}
     costs = auto.measure_costs(model, head, auto.sizes_for(head.max_draft_steps, alphas, cfg.tree))
     record = auto.choose(head.family, head.max_draft_steps, alphas, costs, cfg.tree)
     record.update({"acceptance_json": str(acc), "alpha": alphas, "alpha_temperature": alpha_t, "costs": costs})
     log.info("gamma=auto chose %s (predicted speedup %.2fx from α=%s, c=%.3f)",
              {k: v for k, v in record["choice"].items() if k != "tree_paths"},
              record["predicted"]["speedup_predicted"], [round(a, 3) for a in alphas], costs["c"])
+    if record["choice"] == {"gamma": 0}:
+        log.warning("gamma=auto: no setting predicts more than 1x on this machine (best draft setting %.2fx): "
+                    "decoding without speculation", max(row["speedup_predicted"] for row in record["table"][1:]))
     return record["choice"], record
 
 
@@ -201,9 +214,13 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     prompts = load_prompts(cfg.prompts, target.tokenizer, cfg.chat_template, cfg.per_category, cfg.limit)
     setting, choice = drafting(cfg, head, head_dir, model)
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    adaptive = None
+    if setting.get("adaptive"):
+        adaptive = Adaptive(choice["alpha"], choice["costs"]["r"], choice["costs"]["c"])
+    run_head = None if setting.get("gamma") == 0 and not adaptive else head  # plain decoding needs no commits
     try:
-        dec = Decoder(model, head, sampling, gamma=setting.get("gamma", 0), tree=make_tree(setting, device),
-                      seed=cfg.seed)
+        dec = Decoder(model, run_head, sampling, gamma=setting.get("gamma", 0), tree=make_tree(setting, device),
+                      seed=cfg.seed, adaptive=adaptive)
     except ValueError as e:
         raise UserError(str(e)) from e
     stops = stop_ids(target.tokenizer, target.model.config) if cfg.stop_at_eos else set()

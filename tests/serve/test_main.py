@@ -86,6 +86,24 @@ def test_gamma_auto_records_choice(files, tmp_path):
         assert bench["settings"][key] == value
 
 
+def test_gamma_auto_turns_a_useless_head_off(files, tmp_path, caplog):
+    (tmp_path / "weak.json").write_text(json.dumps({"alpha": [0.01, 0.01, 0.01], "temperature": 0.0}))
+    bench = serve(cfg(f"head_path={files / 'eagle'}", f"prompts={files / 'prompts.jsonl'}", "gamma=auto",
+                      f"acceptance_path={tmp_path / 'weak.json'}"), tmp_path / "out")
+    assert bench["auto"]["choice"] == {"gamma": 0} and bench["settings"]["gamma"] == 0
+    assert bench["tau_measured"] == 1.0 and "decoding without speculation" in caplog.text
+
+
+def test_gamma_adaptive_matches_vanilla(files, tmp_path):
+    prompts = f"prompts={files / 'prompts.jsonl'}"
+    adaptive = serve(cfg(f"head_path={files / 'eagle'}", prompts, "gamma=adaptive"), tmp_path / "adaptive")
+    vanilla = serve(cfg(prompts), tmp_path / "vanilla")
+    assert adaptive["settings"]["adaptive"] and adaptive["auto"]["alpha"] == [0.6, 0.5, 0.4]
+    assert sum(adaptive["rounds_per_draft_depth"]) == adaptive["target_passes"]
+    read = lambda d: [json.loads(line)["token_ids"] for line in (d / "generations.jsonl").read_text().splitlines()]
+    assert read(tmp_path / "adaptive") == read(tmp_path / "vanilla")  # greedy: the same text, any γ schedule
+
+
 def test_static_tree_sampling_runs(files, tmp_path):
     bench = serve(cfg(f"head_path={files / 'medusa'}", f"prompts={files / 'prompts.jsonl'}", "gamma=3",
                       "tree=static", "temperature=1.0", "top_p=0.9"), tmp_path)
@@ -99,6 +117,7 @@ def test_static_tree_sampling_runs(files, tmp_path):
     (["gamma=3"], "need a draft head"),
     (["head_path={d}/eagle", "tree=static"], "Medusa"),
     (["head_path={d}/medusa", "gamma=9"], "exceeds"),
+    (["head_path={d}/eagle", "gamma=adaptive", "tree=dynamic"], "drop tree"),
     (["head_path={d}/nothing"], "not a draftheads head"),
     (["prompts={d}/bad.jsonl"], "not JSON"),
 ])

@@ -1,6 +1,8 @@
 """Tree drafting and the expected-τ model behind gamma=auto."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -89,7 +91,7 @@ def test_choose_maximises_predicted_speedup(tmp_path):
     r = {n: 1.0 + 0.02 * (n - 1) for n in range(1, 70)}
     cheap = auto.choose("eagle", None, alphas, {"r": r, "c": 0.01}, None)
     assert cheap["choice"] == {"gamma": 4}
-    dear = auto.choose("eagle", None, alphas, {"r": r, "c": 2.0}, None)
+    dear = auto.choose("eagle", None, alphas, {"r": r, "c": 0.8}, None)
     assert dear["choice"] == {"gamma": 1}
     assert all(row["speedup_predicted"] <= dear["predicted"]["speedup_predicted"] for row in dear["table"])
     tree = auto.choose("eagle", None, alphas, {"r": r, "c": 0.01}, "dynamic")
@@ -99,8 +101,36 @@ def test_choose_maximises_predicted_speedup(tmp_path):
     assert auto.read_alphas(auto.find_acceptance(tmp_path / "head"), 0.9) == ([0.7, 0.6], 1.0)
 
 
-def test_measure_costs(tiny_target):
+def test_plain_decoding_wins_when_nothing_pays():
+    alphas = [0.3, 0.2]
+    r = {1: 1.0, 2: 1.1, 3: 1.8}
+    record = auto.choose("eagle", None, alphas, {"r": r, "c": 0.3}, None)
+    assert record["choice"] == {"gamma": 0} and record["predicted"]["speedup_predicted"] == 1.0
+    assert all(row["speedup_predicted"] < 1.0 for row in record["table"] if row.get("gamma") != 0)
+    # the same head on cheaper hardware pays: γ = 1 predicts (1 + 0.3) / (1.1 + 0.05) > 1
+    assert auto.choose("eagle", None, alphas, {"r": r, "c": 0.05}, None)["choice"] == {"gamma": 1}
+
+
+def test_measure_costs_follows_the_clock(tiny_target):
+    """Give the target a known cost per token and the draft step a known cost (sleeps around the real calls):
+    r(n) and c must come out as those ratios, measured at the requested context. A cost model that timed the
+    wrong pass, the wrong length or the wrong unit would miss these bands."""
     model = runner_model(tiny_target)
     head = perturbed_head("eagle", tiny_target, model)
+    forward, step, calls = model.forward, head.step, []
+
+    def slow_forward(tokens, start, **kw):
+        calls.append((tokens.shape[1], start))
+        time.sleep(0.04 * tokens.shape[1])
+        return forward(tokens, start, **kw)
+
+    def slow_step(*args):
+        time.sleep(0.12)
+        return step(*args)
+
+    model.forward, head.step = slow_forward, slow_step
     costs = auto.measure_costs(model, head, [1, 2, 5], context=16, reps=2)
-    assert costs["r"][1] == 1.0 and set(costs["r"]) == {1, 2, 5} and costs["c"] > 0
+    assert {(1, 16), (2, 16), (5, 16)} <= set(calls)  # every timed pass ran after the 16 cached tokens
+    # r(n) = (40n ms + overhead) / (40 ms + overhead): the tiny model's own overhead is ~15 ms at most
+    assert 1.5 < costs["r"][2] < 2.3 and 3.3 < costs["r"][5] < 5.6, costs["r"]
+    assert 1.8 < costs["c"] < 3.6, costs["c"]  # 120 ms ÷ (40 ms + overhead)

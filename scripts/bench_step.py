@@ -1,0 +1,151 @@
+"""What one decode step and one verify pass cost: serve/model.py against HF, the weight-read bound and llama.cpp.
+
+    python scripts/bench_step.py --threads 2 --out step_out
+
+On the same target, threads and cached context (--context tokens), best of --reps interleaved runs:
+- serve/model.py as it runs (few-token projections as W·xᵀ), and with plain nn.Linear (the layout it had before);
+- HF's forward with its own cache;
+- serve/model.py with bf16 weights (half the bytes to read; not exact against the fp32 target's greedy text);
+- the weight-read bound: one pass summing every weight matrix (what a step must at least read);
+- llama.cpp's llama-bench on the same target as an f32 GGUF (tg = one-token step, pp4 = a 4-token pass), when
+  scripts/engine_env.sh llamacpp has built it.
+Prints ms per one-token step, r(n) = an n-token pass ÷ one token, and each step ÷ llama.cpp's; writes OUT/step.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from heads.target import load_target
+from serve import model as serve_model
+from serve.model import Transformer
+
+VENVS = Path(os.environ.get("DRAFTHEADS_VENVS") or
+             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftheads" / "venvs")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--no-bf16", action="store_true")
+    p.add_argument("--out", default="step_out")
+    return p.parse_args()
+
+
+class HFStep:
+    """HF forward over n tokens after a fixed cached context (the cache is cropped back after each pass)."""
+
+    def __init__(self, hf_model, ids, context):
+        self.model, self.ids, self.context = hf_model, ids, context
+        with torch.no_grad():
+            self.cache = hf_model(ids[:, :context], use_cache=True).past_key_values  # the returned cache
+
+    @torch.no_grad()
+    def __call__(self, n):
+        self.model(self.ids[:, self.context : self.context + n], cache=self.cache, use_cache=True)
+        self.cache.crop(-n)  # back to the context: the next pass sees the same cache
+
+
+def serve_step(model, ids, context):
+    model.setup_cache(context + 32)
+    model(ids[:, :context], 0, last_only=True)
+    return lambda n: model(ids[:, context : context + n], context)
+
+
+def timings(methods: dict, sizes, reps) -> dict:
+    """Best of reps per (method, n), methods interleaved so load on the machine hits all alike."""
+    best = {name: {n: float("inf") for n in sizes} for name in methods}
+    for name, fn in methods.items():
+        for n in sizes:
+            fn(n)  # warm-up
+    for _ in range(reps):
+        for name, fn in methods.items():
+            for n in sizes:
+                t0 = time.perf_counter()
+                fn(n)
+                best[name][n] = min(best[name][n], time.perf_counter() - t0)
+    return best
+
+
+def llama_bench(target_dir: Path, out: Path, threads: int, context: int) -> dict | None:
+    venv = VENVS / "llamacpp"
+    if not (venv / "bin" / "llama-bench").exists():
+        print(f"llama.cpp: no {venv}/bin/llama-bench (run scripts/engine_env.sh llamacpp); skipped")
+        return None
+    gguf = out / "target-f32.gguf"
+    if not gguf.exists():
+        subprocess.run([str(venv / "bin" / "python"), str(venv / "llama.cpp" / "convert_hf_to_gguf.py"),
+                        str(target_dir), "--outtype", "f32", "--outfile", str(gguf)], check=True, capture_output=True,
+                       env={**os.environ, "PYTHONPATH": ""})
+    proc = subprocess.run([str(venv / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "4",
+                           "-n", "32", "-d", str(context), "-r", "5", "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(proc.stdout)
+    tg = next(r for r in rows if r["n_gen"] > 0)["avg_ts"]
+    pp4 = next(r for r in rows if r["n_prompt"] == 4)["avg_ts"]
+    # both after the same cached context (-d); pp4 is one 4-token pass: 4 / pp4 seconds
+    return {"step_s": 1 / tg, "pass4_s": 4 / pp4, "r4": (4 / pp4) * tg, "tg_tokens_per_s": tg, "pp4_tokens_per_s": pp4}
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_target(args.target)
+    hf = target.model
+    V = hf.config.vocab_size
+    ids = torch.randint(0, V, (1, args.context + max(args.sizes)), generator=torch.Generator().manual_seed(0))
+    model = Transformer.from_hf(hf)
+    run = serve_step(model, ids, args.context)
+
+    def plain_linear(n):  # the same model with every projection as x·Wᵀ (FEW_TOKENS = 0)
+        saved, serve_model.FEW_TOKENS = serve_model.FEW_TOKENS, 0
+        try:
+            return run(n)
+        finally:
+            serve_model.FEW_TOKENS = saved
+
+    methods = {"serve": run, "serve, nn.Linear layout": plain_linear, "hf": HFStep(hf, ids, args.context)}
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    methods["weight-read bound"] = lambda n: [w.sum() for w in weights]
+    if not args.no_bf16:
+        bf16 = Transformer.from_hf(load_target(args.target).model.to(torch.bfloat16))
+        methods["serve, bf16 weights"] = serve_step(bf16, ids, args.context)
+    best = timings(methods, args.sizes, args.reps)
+    target_dir = Path(hf.config._name_or_path) if Path(hf.config._name_or_path).is_dir() else \
+        Path.home() / ".cache" / "draftheads" / "targets" / args.target
+    llama = llama_bench(target_dir, out, args.threads, args.context)
+    rows = []
+    for name, t in best.items():
+        row = {"method": name, "step_ms": 1e3 * t[1], **{f"r({n})": t[n] / t[1] for n in args.sizes if n > 1}}
+        if llama:
+            row["step / llama.cpp"] = t[1] / llama["step_s"]
+        rows.append(row)
+    if llama:
+        rows.append({"method": "llama.cpp f32 (llama-bench)", "step_ms": 1e3 * llama["step_s"], "r(4)": llama["r4"],
+                     "step / llama.cpp": 1.0})
+    report = {"rows": rows, "llama_bench": llama, "args": vars(args),
+              "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                          "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads},
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    (out / "step.json").write_text(json.dumps(report, indent=2))
+    cols = ["step_ms"] + [f"r({n})" for n in args.sizes if n > 1] + (["step / llama.cpp"] if llama else [])
+    print(f"{'method':30s}" + "".join(f"{c:>18s}" for c in cols))
+    for row in rows:
+        print(f"{row['method']:30s}" + "".join(f"{row[c]:18.2f}" if c in row else f"{'':18s}" for c in cols))
+
+
+if __name__ == "__main__":
+    main()
