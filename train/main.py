@@ -3,6 +3,7 @@
     python train/main.py                                  # EAGLE-3 on SmolLM2-135M, self-distilled data, CPU
     python train/main.py head=eagle target=llama2-7b      # with a GPU and the weights (add trainer=ddp for many)
     python train/main.py mode=eval head_path=DIR/head target=smollm2-135m data.eval_files=[FILE] hydra.run.dir=DIR2
+    python train/main.py mode=distill distill.max_records=2000  # the target answers data/train once, in shards
 
 Outputs land in the Hydra run directory (``hydra.run.dir=DIR``): ``acceptance.json`` (α per draft position, trained
 and untrained, predicted τ), ``head/`` (the native head: config.json + model.safetensors), ``checkpoints/last.ckpt``
@@ -149,6 +150,16 @@ def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     return record
 
 
+def distill_step(cfg: DictConfig, target: Target, out: Path) -> dict:
+    """mode=distill: the target answers distill.files into resumable shards (train/regenerate.py)."""
+    from train.acceptance import write_json
+    from train.regenerate import RegenConfig, regenerate
+
+    summary = regenerate(RegenConfig(**OmegaConf.to_container(cfg.distill, resolve=True)), target)
+    write_json(out / "summary.json", summary)
+    return {}
+
+
 def train(cfg: DictConfig) -> dict:
     """Run the job described by ``cfg``; returns the acceptance record (also written to OUT/acceptance.json)."""
     import lightning as L
@@ -157,8 +168,8 @@ def train(cfg: DictConfig) -> dict:
     from train.data import DataConfig, DraftDataModule
     from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
 
-    if cfg.mode not in ("train", "eval"):
-        raise UserError(f"mode={cfg.mode!r}; choose train or eval")
+    if cfg.mode not in ("train", "eval", "distill"):
+        raise UserError(f"mode={cfg.mode!r}; choose train, eval or distill")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +179,8 @@ def train(cfg: DictConfig) -> dict:
         raise UserError(f"cannot load target {cfg.target.name}: {str(e).splitlines()[0]}") from e
     if cfg.mode == "eval":
         return evaluate_saved(cfg, target, out)
+    if cfg.mode == "distill":
+        return distill_step(cfg, target, out)
 
     ckpt_path = checkpoint_to_resume(cfg, out)
     dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))

@@ -130,6 +130,8 @@ def read_file(path: Path) -> list[Record]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line") from e
+                if isinstance(obj, dict) and "skipped" in obj:
+                    continue  # a prompt mode=distill left unanswered (too long), kept so its shard stays complete
                 records.append(parse_record(obj, f"{path}:{lineno}"))
     if not records:
         raise UserError(f"{path}: no records (empty file); point data.train_files / data.eval_files at real data")
