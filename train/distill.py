@@ -175,4 +175,6 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
                     {"prompt_ids": r.prompt_ids, "token_ids": r.token_ids}
                 f.write(json.dumps(row) + "\n")
         tmp.replace(path)  # atomic: a killed run leaves no half-written cache
+    for r, src in zip(answered, pending):  # the cache file keeps only the text
+        r.category = src.category
     return [r for i, r in enumerate(todo) if i not in pending_idx] + answered

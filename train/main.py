@@ -119,6 +119,12 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
     return str(path)
 
 
+def eval_temperatures(cfg: DictConfig) -> list[float]:
+    """The main evaluation temperature first, then the extra ones (each measured on its own held-out text)."""
+    e = cfg.eval
+    return list(dict.fromkeys([float(e.temperature)] + [float(t) for t in e.extra_temperatures]))
+
+
 def data_description(cfg, data) -> dict:
     heldout = list(cfg.eval_files) or [f"held-out {cfg.heldout_fraction:.0%} of {list(cfg.train_files)}"]
     return {"config": cfg.name, "files": heldout, "sequences": len(data.eval_examples)}
@@ -126,7 +132,7 @@ def data_description(cfg, data) -> dict:
 
 def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     """mode=eval: α of a saved head on held-out files, written to OUT/acceptance.json."""
-    from train.acceptance import acceptance_record, measure, write_json
+    from train.acceptance import acceptance_record, measure_sets, write_json
     from train.data import DataConfig, DraftDataModule
 
     if not cfg.get("head_path"):
@@ -139,12 +145,11 @@ def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
     dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
     data = DraftDataModule(dcfg, target, cfg.seed, mode="eval")
-    data.prepare()
-    e = cfg.eval
-    temps = [float(e.temperature)] + [float(t) for t in e.extra_temperatures if float(t) != float(e.temperature)]
-    measured = measure({"head": head}, target, data.eval_loader(), temps, e.top_k, e.top_p)
+    e, temps = cfg.eval, eval_temperatures(cfg)
+    data.prepare(eval_temperatures=temps, eval_top_p=e.top_p)
+    measured = measure_sets({"head": head}, target, data.eval_loaders(), e.top_k, e.top_p)
     record = acceptance_record(config["family"], target.name, data_description(dcfg, data), temps[0],
-                               measured["head"], top_k=e.top_k, top_p=e.top_p)
+                               measured["head"], top_k=e.top_k, top_p=e.top_p, texts=data.eval_text)
     record["head_path"] = str(cfg.head_path)
     write_json(out / "acceptance.json", record)
     return record
@@ -164,7 +169,7 @@ def train(cfg: DictConfig) -> dict:
     """Run the job described by ``cfg``; returns the acceptance record (also written to OUT/acceptance.json)."""
     import lightning as L
 
-    from train.acceptance import acceptance_record, measure, plot_alpha, write_json
+    from train.acceptance import acceptance_record, measure_sets, plot_alpha, write_json
     from train.data import DataConfig, DraftDataModule
     from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
 
@@ -187,7 +192,7 @@ def train(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
     data = DraftDataModule(dcfg, target, cfg.seed)
-    data.prepare(head.feature_layers)
+    data.prepare(head.feature_layers, eval_temperatures(cfg), cfg.eval.top_p)
     init_head(head, data.token_counts())
     if dcfg.cache_features:
         data.cache_features(head.feature_layers)
@@ -210,11 +215,10 @@ def train(cfg: DictConfig) -> dict:
     save_head(head, out / "head", target.identity(),
               extra={"train": {"data": dcfg.name, "steps": trainer.global_step, "loss": asdict(loss)}})
     untrained = make_head(cfg, target, state=init_state)
-    temps = [float(ecfg.temperature)] + [float(t) for t in ecfg.extra_temperatures if float(t) != ecfg.temperature]
-    measured = measure({"trained": head, "untrained": untrained}, target, data.eval_loader(), temps,
-                       ecfg.top_k, ecfg.top_p)
-    record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), temps[0],
-                               measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p)
+    measured = measure_sets({"trained": head, "untrained": untrained}, target, data.eval_loaders(), ecfg.top_k,
+                            ecfg.top_p)
+    record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), float(ecfg.temperature),
+                               measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
     record["train_steps"] = trainer.global_step
     if trainer.logger:  # the held-out numbers next to the training curves (W&B summary, CSV row)
         trainer.logger.log_metrics({f"heldout/{key}@{k}": a for key in ("alpha", "alpha_untrained")

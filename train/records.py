@@ -37,6 +37,7 @@ class Record:
     prompt_ids: list[int] | None = None  # pre-tokenised: prompt_ids + token_ids, token_ids trained
     token_ids: list[int] | None = None
     where: str = ""  # "file:line" for error messages
+    category: str | None = None  # e.g. Spec-Bench's "category": α is also reported per category
     features: dict | None = None  # target hidden states k -> [T, H] kept from generation (never saved)
 
     @property
@@ -72,6 +73,13 @@ def _alternating(turns, where: str) -> list[dict]:
 
 
 def parse_record(obj, where: str) -> Record:
+    record = _parse(obj, where)
+    if isinstance(obj.get("category"), str):
+        record.category = obj["category"]
+    return record
+
+
+def _parse(obj, where: str) -> Record:
     if not isinstance(obj, dict):
         raise UserError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
     if "prompt_ids" in obj or "token_ids" in obj:
