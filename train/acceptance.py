@@ -43,16 +43,23 @@ def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int,
     return grid
 
 
+def decoding(mask: np.ndarray) -> np.ndarray:
+    """Anchors a runner decodes from: the span's last anchor is never one (its token ends the answer), and the
+    span's first token comes from prefill, so Σ active = the tokens rounds emit (serve/'s τ numerator)."""
+    return mask & np.concatenate([mask[:, 1:], np.zeros((mask.shape[0], 1), bool)], 1)
+
+
 def chain_rounds(grid: np.ndarray, mask: np.ndarray, gamma: int) -> float:
     """Expected target passes of a γ-chain over every answer span (contiguous ``mask`` runs) of the batch."""
     B, T, _ = grid.shape
     at_least = np.concatenate([np.ones((B, T, 1)), np.cumprod(grid[..., :gamma], -1)], -1)  # P(run ≥ j), j=0..γ
     exactly = at_least - np.concatenate([at_least[..., 1:], np.zeros((B, T, 1))], -1)  # P(run = j)
     starts = mask & ~np.concatenate([np.zeros((B, 1), bool), mask[:, :-1]], 1)
+    active = decoding(mask)
     mass = np.zeros((B, T + gamma + 2))  # probability that a round starts at anchor t
     rounds = 0.0
     for t in range(T):
-        mass[:, t] = np.where(mask[:, t], mass[:, t] + starts[:, t], 0.0)
+        mass[:, t] = np.where(active[:, t], mass[:, t] + starts[:, t], 0.0)
         rounds += mass[:, t].sum()
         mass[:, t + 1:t + gamma + 2] += mass[:, t, None] * exactly[:, t]
     return rounds
@@ -63,7 +70,7 @@ class Tally:
 
     def __init__(self, K: int):
         self.sums, self.counts, self.prods, self.rounds = (np.zeros(K) for _ in range(4))
-        self.tokens = 0
+        self.tokens = self.anchors = 0
 
     def add(self, grid: torch.Tensor, loss_mask: torch.Tensor) -> None:
         g, m = grid.numpy(), loss_mask.cpu().numpy().astype(bool)
@@ -73,15 +80,17 @@ class Tally:
             self.counts[k - 1] += m[:, k:].sum()
         self.prods += np.cumprod(g, -1)[m].sum(0)
         self.rounds += [chain_rounds(g, m, gamma) for gamma in range(1, K + 1)]
-        self.tokens += int(m.sum())
+        self.tokens += int(decoding(m).sum())
+        self.anchors += int(m.sum())
 
     def merge(self, other: "Tally") -> None:
         for name in ("sums", "counts", "prods", "rounds"):
             getattr(self, name).__iadd__(getattr(other, name))
         self.tokens += other.tokens
+        self.anchors += other.anchors
 
     def summary(self) -> dict:
-        chain = np.concatenate([[self.tokens], self.prods])  # Σ P(run ≥ k), k = 0..K
+        chain = np.concatenate([[self.anchors], self.prods])  # Σ P(run ≥ k), k = 0..K
         return {"alpha": [s / c if c else 0.0 for s, c in zip(self.sums, self.counts)],
                 "num_tokens": [int(c) for c in self.counts],
                 "alpha_chain": [float(b / a) if a else 0.0 for a, b in zip(chain[:-1], chain[1:])],

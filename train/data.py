@@ -43,6 +43,8 @@ class DataConfig:
     max_eval_records: int | None = None
     num_workers: int = 0  # tokenised tensors in memory: workers only add start-up cost
     cache_features: bool = False  # run the target once over the training set and keep the features it reads
+    features_on_disk: bool = False  # with cache_features: bf16 memory-mapped shards reused by later runs
+    feature_dir: str | None = None  # null: ~/.cache/draftheads/features/<target>-<hash of target, data, layers>
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     @classmethod
@@ -213,6 +215,7 @@ class DraftDataModule(L.LightningDataModule):
         self.eval_examples: list[Example] = []  # the held-out text of the first evaluation temperature
         self.eval_sets: dict[float, list[Example]] = {}  # temperature -> the held-out text α at it is measured on
         self.eval_text: dict[float, str] = {}  # temperature -> which text that is (acceptance.json)
+        self.feature_cache: dict | None = None  # where the disk feature cache is, its size (features_on_disk)
 
     def prepare(self, layers=(), eval_temperatures=(0.0,), eval_top_p: float = 1.0) -> None:
         """Read, split, self-distil and tokenise. ``layers``: keep these target features while generating.
@@ -271,6 +274,12 @@ class DraftDataModule(L.LightningDataModule):
         target's logits with the lm_head: far cheaper than the decoder stack and far smaller than [T, V] logits).
         """
         layers = sorted(set(layers) | {self.target.dims.num_layers})
+        if self.cfg.features_on_disk:
+            from train.feature_cache import attach
+
+            self.feature_cache = attach(self.target, self.train_examples, layers, self.cfg.max_len,
+                                        self.cfg.feature_dir, batch_size=self.cfg.eval_batch_size)
+            return
         device = next(self.target.model.parameters()).device
         loader = self._loader(self.train_examples, LengthGroupedBatches(
             [len(ex.input_ids) for ex in self.train_examples], self.cfg.eval_batch_size, shuffle=False, drop_last=False))

@@ -220,6 +220,8 @@ def train(cfg: DictConfig) -> dict:
     record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), float(ecfg.temperature),
                                measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
     record["train_steps"] = trainer.global_step
+    if data.feature_cache:
+        record["feature_cache"] = data.feature_cache
     if trainer.logger:  # the held-out numbers next to the training curves (W&B summary, CSV row)
         trainer.logger.log_metrics({f"heldout/{key}@{k}": a for key in ("alpha", "alpha_untrained")
                                     for k, a in enumerate(record[key], start=1)}, step=trainer.global_step)

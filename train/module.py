@@ -71,7 +71,8 @@ class DraftModule(L.LightningModule):
         attn = batch["attention_mask"]
         L = self.target.dims.num_layers
         if f"hidden.{L}" in batch:  # features cached by the DataModule: only the lm_head runs here
-            hidden = {int(k.split(".")[1]): v for k, v in batch.items() if k.startswith("hidden.")}
+            dtype = self.target.lm_head.weight.dtype  # disk-cached features are bf16 whatever the target's dtype
+            hidden = {int(k.split(".")[1]): v.to(dtype) for k, v in batch.items() if k.startswith("hidden.")}
             mask = batch["loss_mask"]
             with torch.no_grad():  # logits only where a loss or α reads them (prompts are often half the tokens)
                 logits = hidden[L].new_zeros((*mask.shape, self.target.dims.vocab_size), dtype=torch.float32)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.acceptance import Tally, chain_rounds
+from train.acceptance import Tally, chain_rounds, decoding
 
 
 def grid_and_mask(seed: int, B=3, T=40, K=4, binary=True):
@@ -21,12 +21,14 @@ def grid_and_mask(seed: int, B=3, T=40, K=4, binary=True):
 
 
 def simulate(grid, mask, gamma, rng=None) -> float:
-    """A runner over the text: a round at anchor t emits 1 + the drafts accepted in a row, then moves on."""
+    """A runner over the text: a round at anchor t emits 1 + the drafts accepted in a row, then moves on; the
+    first token of a span comes from prefill and its last anchor has nothing left to emit."""
     rounds = 0
+    active = decoding(mask)
     for b in range(grid.shape[0]):
         t = 0
         while t < mask.shape[1]:
-            if not mask[b, t]:
+            if not active[b, t]:
                 t += 1
                 continue
             run = 0
@@ -62,4 +64,4 @@ def test_tally_alpha_and_chain_against_brute_force():
         assert s["alpha"][k - 1] == pytest.approx(grid[:, :T - k, k - 1][valid].mean())
         reached = np.prod(grid[..., :k - 1], -1)[mask].sum() if k > 1 else mask.sum()
         assert s["alpha_chain"][k - 1] == pytest.approx(np.prod(grid[..., :k], -1)[mask].sum() / reached)
-    assert s["tau_predicted"][3] == pytest.approx(mask.sum() / simulate(grid, mask, 3))
+    assert s["tau_predicted"][3] == pytest.approx(decoding(mask).sum() / simulate(grid, mask, 3))
