@@ -190,6 +190,11 @@ def train(cfg: DictConfig) -> dict:
     ckpt_path = checkpoint_to_resume(cfg, out)
     dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
     t0 = time.perf_counter()
+    if cfg.get("distill_first"):  # a recipe: the target answers distill.files first (resumable, reused)
+        from train.regenerate import RegenConfig, regenerate
+
+        answers = regenerate(RegenConfig(**OmegaConf.to_container(cfg.distill, resolve=True)), target)
+        dcfg.train_files = [d["files"] for d in answers["datasets"].values()]
     head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
     data = DraftDataModule(dcfg, target, cfg.seed)
     data.prepare(head.feature_layers, eval_temperatures(cfg), cfg.eval.top_p)
@@ -205,7 +210,8 @@ def train(cfg: DictConfig) -> dict:
     trainer = build_trainer(cfg, out)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
-    log.info("trained %d steps in %.0f s", trainer.global_step, time.perf_counter() - t0)
+    log.info("trained %d steps in %.0f s (%d trained tokens, %.0f tokens/s in training steps)", trainer.global_step,
+             time.perf_counter() - t0, module.trained_tokens, module.trained_tokens / max(module.train_seconds, 1e-9))
     from train.strategies import consolidated_head  # lazy: imports Lightning's DeepSpeed strategy
 
     head = consolidated_head(trainer, module.head)  # whole fp32 weights under any strategy; every rank must call
@@ -220,6 +226,8 @@ def train(cfg: DictConfig) -> dict:
     record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), float(ecfg.temperature),
                                measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
     record["train_steps"] = trainer.global_step
+    record["trained_tokens"] = module.trained_tokens  # this process's share, this run (not before a resume)
+    record["trained_tokens_per_s"] = round(module.trained_tokens / max(module.train_seconds, 1e-9), 1)
     if data.feature_cache:
         record["feature_cache"] = data.feature_cache
     if trainer.logger:  # the held-out numbers next to the training curves (W&B summary, CSV row)

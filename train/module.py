@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass
 
 import lightning as L
@@ -57,6 +58,9 @@ class DraftModule(L.LightningModule):
         self.target = target  # a dataclass, not an nn.Module: stays out of state_dict and parameters()
         self.loss_cfg, self.optim_cfg, self.eval_cfg = loss, optim, evaluation
         self._val_sums: torch.Tensor | None = None
+        self.trained_tokens = 0  # tokens the loss was computed on (this run), for trained tokens/s
+        self.train_seconds = 0.0
+        self._step_start: float | None = None
 
     def _move_target(self) -> None:
         self.target.model.to(self.device)
@@ -80,6 +84,17 @@ class DraftModule(L.LightningModule):
             return TargetFeatures(batch["input_ids"], hidden, logits, mask, attn)
         attn = None if bool(attn.all()) else attn  # no padding: let attention take its fast causal path
         return self.target.features(batch["input_ids"], batch["loss_mask"], attn, layers=self.head.feature_layers)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self._step_start is None:
+            return
+        self.train_seconds += time.perf_counter() - self._step_start  # steps only: validation is not training
+        self.trained_tokens += int(batch["loss_mask"].sum())
+        self.log("train/tokens_per_s", self.trained_tokens / max(self.train_seconds, 1e-9), prog_bar=True,
+                 batch_size=batch["input_ids"].shape[0])
 
     def training_step(self, batch, batch_idx):
         feats = self.features(batch)

@@ -197,8 +197,10 @@ def split_records(train_files, eval_files, heldout_fraction: float, max_train: i
     rng = random.Random(seed)  # subsample deterministically: the same subset on every rank and every resume
     if max_train is not None and len(train) > max_train:
         train = rng.sample(train, max_train)
-    if max_eval is not None and len(heldout) > max_eval:
-        heldout = heldout[:max_eval]
+    if max_eval is not None and len(heldout) > max_eval:  # round-robin over categories: every one represented
+        seen: dict = {}
+        rank = [seen.setdefault(r.category, []).append(r) or len(seen[r.category]) for r in heldout]
+        heldout = [r for _, _, r in sorted(zip(rank, range(len(heldout)), heldout))][:max_eval]
     overlap = {r.key() for r in train} & {r.key() for r in heldout}
     assert not overlap, f"{len(overlap)} held-out prompts are also training prompts"
     return train, heldout
