@@ -31,7 +31,8 @@ from heads.target import Target
 
 @torch.no_grad()
 def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[B, T, K]: α of draft step k at anchor t (Σ min(p, q); 0/1 at T = 0), 0 where the predicted token is untrained."""
+    """[B, T, K]: α of draft step k at anchor t (Σ min(p, q); 0/1 at T = 0); 0 where the predicted token is not
+    trained."""
     B, T = feats.loss_mask.shape
     grid = torch.zeros((B, T, len(out.logits)), dtype=torch.float64)
     for k, logits in enumerate(out.logits, start=1):

@@ -10,17 +10,15 @@ to a temp file and renamed, and a shard whose size or shape is not what ``key.js
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from heads.target import Target, cache_dir
-from train import UserError
+from heads.target import Target
+from train.regenerate import open_keyed_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -38,34 +36,6 @@ def cache_key(target: Target, examples, layers, max_len: int, shard_size: int) -
     return {"version": 1, "target": target.identity(), "data_sha256": data_hash(examples), "layers": list(layers),
             "max_len": max_len, "shard_size": shard_size, "dtype": "bfloat16",
             "lengths": [len(ex.input_ids) for ex in examples]}
-
-
-def open_dir(root: str | None, target: Target, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(root) if root else cache_dir() / "features" / f"{target.name.replace('/', '_')}-{digest}"
-    path.mkdir(parents=True, exist_ok=True)
-    key_file = path / "key.json"
-    if key_file.exists():
-        old = json.loads(key_file.read_text())
-        if old != key:
-            diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
-            raise UserError(f"feature cache {path} was built for other {', '.join(diff)}; delete it or set "
-                            "data.feature_dir to another directory (null: one per target, data and layers)")
-    else:
-        write_atomic(key_file, lambda f: f.write(json.dumps(key).encode()))
-    return path
-
-
-def write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path} ({e.strerror}); free disk space or set data.feature_dir elsewhere, "
-                        "then run again: finished shards are kept") from e
 
 
 def read_shard(path: Path, tokens: int, width: int) -> np.ndarray | None:
@@ -108,7 +78,7 @@ def attach(target: Target, examples, layers, max_len: int, root: str | None = No
     layers = sorted(set(layers))
     H = target.dims.hidden_size
     key = cache_key(target, examples, layers, max_len, shard_size)
-    path = open_dir(root, target, key)
+    path = open_keyed_dir(root, "features", target, key, "data.feature_dir")
     shards = [range(s, min(s + shard_size, len(examples))) for s in range(0, len(examples), shard_size)]
     width, built = len(layers) * H, 0
     for s, idx in enumerate(tqdm(shards, desc="feature cache", unit="shard", leave=False)):
@@ -119,7 +89,7 @@ def attach(target: Target, examples, layers, max_len: int, root: str | None = No
             if file.exists():
                 log.warning("feature cache shard %s is incomplete or corrupt: rebuilding it", file)
             rows = torch.cat(compute(target, [examples[i] for i in idx], layers, batch_size))  # [tokens, width]
-            write_atomic(file, lambda f: np.save(f, rows.view(torch.int16).numpy()))
+            write_atomic(file, lambda f: np.save(f, rows.view(torch.int16).numpy()), "data.feature_dir")
             arr, built = read_shard(file, tokens, width), built + 1
         flat = torch.from_numpy(arr).view(torch.bfloat16)  # [tokens, L * H], no copy
         offset = 0

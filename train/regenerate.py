@@ -81,31 +81,39 @@ def dataset_key(cfg: RegenConfig, target: Target, records: list[Record]) -> dict
             "max_new_tokens": cfg.max_new_tokens, "max_prompt_len": cfg.max_prompt_len, "shard_size": cfg.shard_size}
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, write, option: str = "distill.out_dir") -> None:
+    """``write(binary file)`` into a temp file renamed over ``path``: readers and restarts see all of it or none."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: ranks never share a temp file
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)  # readers (and restarts) see the whole file or none of it
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path} ({e.strerror}); free disk space or set distill.out_dir elsewhere, "
+        raise UserError(f"cannot write {path} ({e.strerror}); free disk space or set {option} elsewhere, "
                         "then run again: finished shards are kept") from e
 
 
-def open_out_dir(cfg: RegenConfig, target: Target, key: dict) -> Path:
+def open_keyed_dir(explicit: str | None, kind: str, target: Target, key: dict, option: str) -> Path:
+    """``explicit`` or ~/.cache/draftheads/<kind>/<target>-<hash of key>; a directory made for another key is
+    refused."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    out = Path(cfg.out_dir) if cfg.out_dir else cache_dir() / "distill" / f"{target.name.replace('/', '_')}-{digest}"
+    out = Path(explicit) if explicit else cache_dir() / kind / f"{target.name.replace('/', '_')}-{digest}"
     out.mkdir(parents=True, exist_ok=True)
     key_file = out / "key.json"
     if key_file.exists():
         old = json.loads(key_file.read_text())
         if old != key:
             diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
-            raise UserError(f"{out} holds answers made with other {', '.join(diff)}; delete it or choose another "
-                            "distill.out_dir")
+            raise UserError(f"{out} was made with other {', '.join(diff)}; delete it or set {option} to another "
+                            "directory (null: one per key under ~/.cache/draftheads)")
     else:
-        write_atomic(key_file, json.dumps(key, indent=1, sort_keys=True))
+        write_atomic(key_file, lambda f: f.write(json.dumps(key, sort_keys=True).encode()), option)
     return out
+
+
+def write_text(path: Path, text: str) -> None:
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def shard_rows(path: Path, expected: int) -> list[dict] | None:
@@ -148,14 +156,15 @@ def answer_shard(target: Target, records: list[Record], ids: list[str], dcfg: Di
 
 
 def count_assistant_tokens(r: Record, tok) -> int:
-    return sum(len(tok(m["content"], add_special_tokens=False).input_ids) for m in r.messages if m["role"] == "assistant")
+    return sum(len(tok(m["content"], add_special_tokens=False).input_ids)
+               for m in r.messages if m["role"] == "assistant")
 
 
 def regenerate(cfg: RegenConfig, target: Target) -> dict:
     """Answer every selected prompt at every configured temperature; returns a summary (also in manifest.json)."""
     records = select(cfg)
     key = dataset_key(cfg, target, records)
-    out = open_out_dir(cfg, target, key)
+    out = open_keyed_dir(cfg.out_dir, "distill", target, key, "distill.out_dir")
     rank, world = rank_world(cfg)
     S = cfg.shard_size
     shards = [list(range(s, min(s + S, len(records)))) for s in range(0, len(records), S)]
@@ -175,7 +184,7 @@ def regenerate(cfg: RegenConfig, target: Target) -> dict:
                                  batch_size=cfg.batch_size, seed=cfg.seed * 1_000_003 + s)
             rows, n = answer_shard(target, [records[i] for i in shards[s]], [records[i].where for i in shards[s]], dcfg,
                                    cfg.max_prompt_len)
-            write_atomic(folder / f"shard-{s:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            write_text(folder / f"shard-{s:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
             generated += n
             bar.update(len(shards[s]))
             bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - t0):.0f}")
@@ -201,4 +210,4 @@ def write_manifest(folder: Path, shards: list[list[int]], key: dict, temperature
                 "skipped": sum("skipped" in r for r in flat),
                 "multi_turn": sum("messages" in r for r in flat),
                 "answer_tokens": sum(len(r.get("token_ids", [])) for r in flat)}
-    write_atomic(folder / "manifest.json", json.dumps(manifest, indent=1))
+    write_text(folder / "manifest.json", json.dumps(manifest, indent=1))

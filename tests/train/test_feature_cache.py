@@ -41,7 +41,7 @@ def test_cached_training_follows_online_training(fast_cfg, tmp_path):
                              f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "rebuilt"))
     assert rebuilt["feature_cache"]["shards_built"] == 1 and losses(tmp_path / "rebuilt") == b
 
-    with pytest.raises(UserError, match="built for other layers.*delete it or set data.feature_dir"):
+    with pytest.raises(UserError, match="made with other layers.*delete it or set data.feature_dir"):
         train(fast_cfg("head=medusa", "data.cache_features=true", "data.features_on_disk=true",
                        f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "medusa"))
     assert json.loads((tmp_path / "feats" / "key.json").read_text())["layers"] == info["layers"]

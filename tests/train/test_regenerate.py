@@ -78,7 +78,7 @@ def test_corrupt_shard_is_answered_again_and_other_settings_are_refused(tmp_path
     shard.write_text(good[: len(good) // 2])  # a half-written file (e.g. copied while in flight)
     regenerate(cfg(tmp_path), tiny)
     assert shard.read_text() == good  # greedy: the same answers again
-    with pytest.raises(UserError, match="other max_new_tokens.*delete it or choose another distill.out_dir"):
+    with pytest.raises(UserError, match="other max_new_tokens.*delete it or set distill.out_dir"):
         regenerate(cfg(tmp_path, max_new_tokens=7), tiny)
 
 

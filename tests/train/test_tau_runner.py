@@ -1,8 +1,8 @@
 """τ predicted from held-out α (acceptance.json) is the τ serve/'s chain runner measures, at γ = 3, T = 0 and T = 1.
 
-A Medusa head is fitted for a few seconds on stories260K's own samples, then ``train/main.py mode=eval`` answers
-the held-out openings greedily (T = 0) and by sampling (T = 1) and predicts τ by walking the chain over those
-answers; serve/ decodes the same openings with the same head. At T = 0 both see the same text, so they agree up to
+The job trains a Medusa head for a few seconds on stories260K's own samples, then ``train/main.py mode=eval``
+answers the held-out openings greedily (T = 0) and by sampling (T = 1) and predicts τ by walking the chain over
+those answers; serve/ decodes the same openings with the same head. At T = 0 both see the same text, so they agree up to
 float noise; at T = 1 they see different samples of the same distribution.
 """
 from __future__ import annotations
@@ -13,11 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-from heads import build_head
-from heads.checkpoint import save_head
-from heads.losses import head_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 OPENINGS = ["Once upon a time", "One day, a little", "Tom and Lily", "The sun was", "There was a big dog",
@@ -26,40 +21,23 @@ OPENINGS = ["Once upon a time", "One day, a little", "Tom and Lily", "The sun wa
 pytestmark = [pytest.mark.shared, pytest.mark.slow]
 
 
-def fitted_head(target, steps=300):
-    tok = target.tokenizer
-    torch.manual_seed(7)  # training text: the target's samples from prompts of its own, never the measured ones
-    start = torch.tensor([[tok.bos_token_id]] * 16)
-    ids = target.model.generate(start, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=128,
-                                min_new_tokens=128, pad_token_id=tok.pad_token_id)
-    head = build_head("medusa", target.dims, num_steps=3)
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
-    head.init_from_target()
-    feats = target.features(ids, layers=head.feature_layers)
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    for _ in range(steps):
-        loss, _ = head_loss(head, head(feats), feats, temperature=1.0)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval()
-
-
 def test_predicted_tau_is_the_runners(stories_target, tmp_path):
-    save_head(fitted_head(stories_target), tmp_path / "head", stories_target.identity())
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": o, "id": f"{r}-{i}"}) + "\n"
                                for r in range(3) for i, o in enumerate(OPENINGS)))
     run = lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True, timeout=600, capture_output=True,
                                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    run("train/main.py", "mode=eval", "target=stories260k", f"head_path={tmp_path / 'head'}",
+    run("train/main.py", "target=stories260k", "data=tinystories", "head=medusa", "head.hparams.num_steps=3",
+        "trainer.max_steps=150", "optim.lr=1e-2", "eval.extra_temperatures=[]", "logger=none",
+        f"hydra.run.dir={tmp_path / 'train'}")  # a head trained by the job itself, on its own sampled stories
+    run("train/main.py", "mode=eval", "target=stories260k", f"head_path={tmp_path / 'train' / 'head'}",
         f"data.eval_files=[{prompts}]", "data.distill.max_new_tokens=120", "eval.temperature=0.0",
         "eval.extra_temperatures=[1.0]", "logger=none", f"hydra.run.dir={tmp_path / 'eval'}")
     record = json.loads((tmp_path / "eval" / "acceptance.json").read_text())
     assert "greedy answers" in record["text_by_temperature"]["0.0"]
     assert "sampled at T=1" in record["text_by_temperature"]["1.0"]
     for t in ("0.0", "1.0"):
-        run("serve/main.py", "target=stories260k", f"head_path={tmp_path / 'head'}", f"prompts={prompts}",
+        run("serve/main.py", "target=stories260k", f"head_path={tmp_path / 'train' / 'head'}", f"prompts={prompts}",
             f"temperature={t}", "max_new_tokens=120", "gamma=3", "threads=1", "progress=false",
             f"hydra.run.dir={tmp_path / ('serve' + t)}")
         measured = json.loads((tmp_path / ("serve" + t) / "bench.json").read_text())["tau_measured"]
