@@ -158,6 +158,7 @@ def acceptance_record(head_name: str, target_name: str, data: str, temperature: 
     if "by_category" in main:
         record["alpha_by_category"] = {c: m["alpha"] for c, m in main["by_category"].items()}
         record["tau_predicted_by_category"] = {c: m["tau_predicted"] for c, m in main["by_category"].items()}
+        record["num_tokens_by_category"] = {c: m["num_tokens"][0] for c, m in main["by_category"].items()}
     if untrained is not None:
         record["alpha_untrained"] = untrained[temperature]["alpha"]
         record["alpha_untrained_by_temperature"] = {str(t): m["alpha"] for t, m in untrained.items()}

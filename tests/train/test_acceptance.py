@@ -1,5 +1,8 @@
-"""τ predicted by walking the chain over held-out text equals a brute-force simulation of the runner."""
+"""τ predicted by walking the chain over held-out text equals a brute-force simulation of the runner; α per category
+adds up to the overall α."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -65,3 +68,20 @@ def test_tally_alpha_and_chain_against_brute_force():
         reached = np.prod(grid[..., :k - 1], -1)[mask].sum() if k > 1 else mask.sum()
         assert s["alpha_chain"][k - 1] == pytest.approx(np.prod(grid[..., :k], -1)[mask].sum() / reached)
     assert s["tau_predicted"][3] == pytest.approx(decoding(mask).sum() / simulate(grid, mask, 3))
+
+
+def test_alpha_per_category_adds_up(fast_cfg, tmp_path):
+    from train.main import train
+
+    heldout = tmp_path / "cats.jsonl"
+    with open(heldout, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"category": ["writing", "math"][i % 2], "messages": [
+                {"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": f"An answer about {i}, " * (2 + i)}]}) + "\n")
+    record = train(fast_cfg("head=mtp", "trainer.max_steps=2", f"data.eval_files=[{heldout}]"))
+    alpha, tokens = record["alpha_by_category"], record["num_tokens_by_category"]
+    assert set(alpha) == {"writing", "math"} and sum(tokens.values()) == record["num_tokens"]
+    weighted = sum(alpha[c][0] * tokens[c] for c in alpha) / record["num_tokens"]
+    assert weighted == pytest.approx(record["alpha"][0])
+    assert record["text_by_temperature"]["0.0"] == "dataset text of 8 held-out records"
