@@ -29,14 +29,15 @@ def run(out: Path, *overrides: str) -> tuple[dict, float]:
     return record, time.perf_counter() - t0
 
 
+print(f"{'run':12} {'trained tok/s':>14} {'wall s':>8} {'α1':>6}", flush=True)
+rows = []
 with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
     disk = ("data.cache_features=true", "data.features_on_disk=true", f"data.feature_dir={tmp / 'feats'}")
-    rows = [("online", *run(tmp / "a", "data.cache_features=false")),
-            ("cache build", *run(tmp / "b", *disk)), ("cache reuse", *run(tmp / "c", *disk))]
-print(f"{'run':12} {'trained tok/s':>14} {'wall s':>8} {'α1':>6}")
-for name, record, wall in rows:
-    print(f"{name:12} {record['trained_tokens_per_s']:14.0f} {wall:8.0f} {record['alpha'][0]:6.3f}")
-info = rows[2][1]["feature_cache"]
+    for name, overrides in (("online", ("data.cache_features=false",)), ("cache build", disk), ("cache reuse", disk)):
+        record, wall = run(tmp / name.replace(" ", "_"), *overrides)
+        rows.append(record)
+        print(f"{name:12} {record['trained_tokens_per_s']:14.0f} {wall:8.0f} {record['alpha'][0]:6.3f}", flush=True)
+info = rows[2]["feature_cache"]
 print(f"cache: {info['bytes_per_token']} bytes/token ({len(info['layers'])} layers), {info['tokens']} tokens; "
-      f"reuse/online trained tokens/s = {rows[2][1]['trained_tokens_per_s'] / rows[0][1]['trained_tokens_per_s']:.1f}x")
+      f"reuse/online trained tokens/s = {rows[2]['trained_tokens_per_s'] / rows[0]['trained_tokens_per_s']:.1f}x")
