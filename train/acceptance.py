@@ -5,6 +5,13 @@ head's distribution after the same temperature/top-k/top-p processing (heads.los
 steps see the held-out tokens, i.e. the path along which every earlier draft was accepted. Sums and token counts
 are aggregated exactly over all held-out tokens, then divided once. Several heads (trained, untrained) share one
 target forward per batch.
+
+τ is predicted by walking the speculative chain over the held-out text (``chain_rounds``): a round at anchor t
+emits the target's token plus the run of accepted drafts, P(run ≥ j) = Π_{i≤j} α_i(t) with α_i(t) the acceptance
+of step i at that very anchor, and the next round starts where the run ends. On the target's greedy text at T = 0
+this is exactly what a greedy runner does; the product of *mean* α per step (heads.losses.tau_predicted) ignores
+that hard contexts reject every step together and overestimates τ. ``alpha_chain`` is the conditional rate
+P(step k accepted | steps < k accepted), whose running product does give the chain's mean run.
 """
 from __future__ import annotations
 
@@ -12,20 +19,91 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from heads.base import DraftHead
-from heads.losses import alpha_sums, tau_predicted
+from heads.losses import alpha, shift_pair, tau_predicted
+from heads.sampling import probs_from_logits
 from heads.target import Target
 
 
 @torch.no_grad()
+def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[B, T, K]: α of draft step k at anchor t (Σ min(p, q); 0/1 at T = 0); 0 where the predicted token is not
+    trained."""
+    B, T = feats.loss_mask.shape
+    grid = torch.zeros((B, T, len(out.logits)), dtype=torch.float64)
+    for k, logits in enumerate(out.logits, start=1):
+        draft, target_logits, mask = shift_pair(head.to_target_vocab(logits), feats.target_logits, feats.loss_mask, k)
+        a = alpha(probs_from_logits(target_logits[mask], temperature, top_k, top_p),
+                  probs_from_logits(draft[mask], temperature, top_k, top_p))
+        step = grid[:, :T - k, k - 1]  # a view: anchor t, step k predicts the token after t + k
+        step[mask.cpu()] = a.double().cpu()
+    return grid
+
+
+def decoding(mask: np.ndarray) -> np.ndarray:
+    """Anchors a runner decodes from: the span's last anchor is never one (its token ends the answer), and the
+    span's first token comes from prefill, so Σ active = the tokens rounds emit (serve/'s τ numerator)."""
+    return mask & np.concatenate([mask[:, 1:], np.zeros((mask.shape[0], 1), bool)], 1)
+
+
+def chain_rounds(grid: np.ndarray, mask: np.ndarray, gamma: int) -> float:
+    """Expected target passes of a γ-chain over every answer span (contiguous ``mask`` runs) of the batch."""
+    B, T, _ = grid.shape
+    at_least = np.concatenate([np.ones((B, T, 1)), np.cumprod(grid[..., :gamma], -1)], -1)  # P(run ≥ j), j=0..γ
+    exactly = at_least - np.concatenate([at_least[..., 1:], np.zeros((B, T, 1))], -1)  # P(run = j)
+    starts = mask & ~np.concatenate([np.zeros((B, 1), bool), mask[:, :-1]], 1)
+    active = decoding(mask)
+    mass = np.zeros((B, T + gamma + 2))  # probability that a round starts at anchor t
+    rounds = 0.0
+    for t in range(T):
+        mass[:, t] = np.where(active[:, t], mass[:, t] + starts[:, t], 0.0)
+        rounds += mass[:, t].sum()
+        mass[:, t + 1:t + gamma + 2] += mass[:, t, None] * exactly[:, t]
+    return rounds
+
+
+class Tally:
+    """Exact sums over held-out anchors (per step: Σ α, count, Σ Π_{i≤k} α_i; per γ: rounds), divided once."""
+
+    def __init__(self, K: int):
+        self.sums, self.counts, self.prods, self.rounds = (np.zeros(K) for _ in range(4))
+        self.tokens = self.anchors = 0
+
+    def add(self, grid: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        g, m = grid.numpy(), loss_mask.cpu().numpy().astype(bool)
+        K, T = g.shape[-1], m.shape[1]
+        for k in range(1, K + 1):
+            self.sums[k - 1] += g[:, :T - k, k - 1][m[:, k:]].sum()
+            self.counts[k - 1] += m[:, k:].sum()
+        self.prods += np.cumprod(g, -1)[m].sum(0)
+        self.rounds += [chain_rounds(g, m, gamma) for gamma in range(1, K + 1)]
+        self.tokens += int(decoding(m).sum())
+        self.anchors += int(m.sum())
+
+    def merge(self, other: "Tally") -> None:
+        for name in ("sums", "counts", "prods", "rounds"):
+            getattr(self, name).__iadd__(getattr(other, name))
+        self.tokens += other.tokens
+        self.anchors += other.anchors
+
+    def summary(self) -> dict:
+        chain = np.concatenate([[self.anchors], self.prods])  # Σ P(run ≥ k), k = 0..K
+        return {"alpha": [s / c if c else 0.0 for s, c in zip(self.sums, self.counts)],
+                "num_tokens": [int(c) for c in self.counts],
+                "alpha_chain": [float(b / a) if a else 0.0 for a, b in zip(chain[:-1], chain[1:])],
+                "tau_predicted": {g: float(self.tokens / r) if r else 1.0 for g, r in enumerate(self.rounds, start=1)}}
+
+
+@torch.no_grad()
 def measure(heads: dict[str, DraftHead], target: Target, loader, temperatures, top_k: int = 0,
-            top_p: float = 1.0) -> dict[str, dict[float, dict]]:
-    """-> {head name: {temperature: {"alpha": [α_k], "num_tokens": [n_k]}}}."""
+            top_p: float = 1.0, raw: bool = False) -> dict[str, dict[float, dict]]:
+    """-> {head name: {temperature: {"alpha", "num_tokens", "alpha_chain", "tau_predicted"}}} (``raw``: Tally)."""
     device = next(target.model.parameters()).device
     layers = sorted({k for h in heads.values() for k in h.feature_layers})
-    sums = {(n, t): None for n in heads for t in temperatures}
+    tallies = {(n, t): Tally(h.num_steps) for n, h in heads.items() for t in temperatures}
     for head in heads.values():
         head.eval().to(device)
     for batch in loader:
@@ -35,26 +113,50 @@ def measure(heads: dict[str, DraftHead], target: Target, loader, temperatures, t
         for name, head in heads.items():
             out = head(feats.hidden_as(next(head.parameters()).dtype))  # a bf16 target's features, an fp32 head
             for t in temperatures:
-                s, c = alpha_sums(head, out, feats, t, top_k, top_p)
-                step = torch.tensor([s, c], dtype=torch.float64)  # [2, K]
-                sums[name, t] = step if sums[name, t] is None else sums[name, t] + step
+                tallies[name, t].add(acceptance_grid(head, out, feats, t, top_k, top_p), batch["loss_mask"])
+    return {n: {t: tallies[n, t] if raw else tallies[n, t].summary() for t in temperatures} for n in heads}
+
+
+def measure_sets(heads: dict[str, DraftHead], target: Target, sets: dict, top_k: int = 0, top_p: float = 1.0) -> dict:
+    """sets = {temperature: {category: loader}}: each temperature on its own text -> measure()'s result, plus
+    "by_category" {category: summary} when the held-out data has more than one category."""
     result: dict[str, dict[float, dict]] = {n: {} for n in heads}
-    for (name, t), total in sums.items():
-        s, c = total.tolist()
-        result[name][t] = {"alpha": [a / n if n else 0.0 for a, n in zip(s, c)], "num_tokens": [int(n) for n in c]}
+    for t, loaders in sets.items():
+        total = {n: Tally(h.num_steps) for n, h in heads.items()}
+        by_category: dict[str, dict] = {n: {} for n in heads}
+        for category, loader in loaders.items():
+            raw = measure(heads, target, loader, [t], top_k, top_p, raw=True)
+            for n in heads:
+                total[n].merge(raw[n][t])
+                by_category[n][str(category)] = raw[n][t].summary()
+        for n in heads:
+            result[n][t] = total[n].summary()
+            if len(loaders) > 1:
+                result[n][t]["by_category"] = by_category[n]
     return result
 
 
 def acceptance_record(head_name: str, target_name: str, data: str, temperature: float, measured: dict,
-                      untrained: dict | None = None, top_k: int = 0, top_p: float = 1.0) -> dict:
-    """The acceptance.json schema: measured = {temperature: {"alpha", "num_tokens"}} for one head."""
+                      untrained: dict | None = None, top_k: int = 0, top_p: float = 1.0,
+                      texts: dict | None = None) -> dict:
+    """The acceptance.json schema: measured = {temperature: measure()'s summary} for one head; ``texts``
+    {temperature: which held-out text that temperature's α was measured on}."""
     main = measured[temperature]
     record = {
         "head": head_name, "target": target_name, "data": data, "temperature": temperature, "top_k": top_k,
-        "top_p": top_p, "alpha": main["alpha"], "tau_predicted": tau_predicted(main["alpha"]),
+        "top_p": top_p, "alpha": main["alpha"], "alpha_chain": main["alpha_chain"],
+        "tau_predicted": main["tau_predicted"], "tau_product_of_alpha": tau_predicted(main["alpha"]),
         "num_tokens": main["num_tokens"][0], "num_tokens_per_step": main["num_tokens"],
         "alpha_by_temperature": {str(t): m["alpha"] for t, m in measured.items()},
+        "alpha_chain_by_temperature": {str(t): m["alpha_chain"] for t, m in measured.items()},
+        "tau_predicted_by_temperature": {str(t): m["tau_predicted"] for t, m in measured.items()},
     }
+    if texts:
+        record["text_by_temperature"] = {str(t): texts[t] for t in measured if t in texts}
+    if "by_category" in main:
+        record["alpha_by_category"] = {c: m["alpha"] for c, m in main["by_category"].items()}
+        record["tau_predicted_by_category"] = {c: m["tau_predicted"] for c, m in main["by_category"].items()}
+        record["num_tokens_by_category"] = {c: m["num_tokens"][0] for c, m in main["by_category"].items()}
     if untrained is not None:
         record["alpha_untrained"] = untrained[temperature]["alpha"]
         record["alpha_untrained_by_temperature"] = {str(t): m["alpha"] for t, m in untrained.items()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import lightning as L
@@ -44,6 +44,8 @@ class DataConfig:
     max_eval_records: int | None = None
     num_workers: int = 0  # tokenised tensors in memory: workers only add start-up cost
     cache_features: bool = False  # run the target once over the training set and keep the features it reads
+    features_on_disk: bool = False  # with cache_features: bf16 memory-mapped shards reused by later runs
+    feature_dir: str | None = None  # null: ~/.cache/draftheads/features/<target>-<hash of target, data, layers>
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     @classmethod
@@ -58,6 +60,7 @@ class Example:
     input_ids: torch.Tensor  # [T] long
     loss_mask: torch.Tensor  # [T] bool
     hidden: dict[int, torch.Tensor] | None = None  # cached target features k -> [T, H] (cache_features)
+    category: str | None = None  # the record's category (Spec-Bench), for α per category
 
 
 def _mask_from_trained(trained: list[bool]) -> torch.Tensor:
@@ -99,6 +102,12 @@ def ids_example(prompt_ids: list[int], token_ids: list[int], max_len: int) -> Ex
 
 
 def tokenize(record: Record, tokenizer, max_len: int) -> Example:
+    ex = _tokenize(record, tokenizer, max_len)
+    ex.category = record.category
+    return ex
+
+
+def _tokenize(record: Record, tokenizer, max_len: int) -> Example:
     if record.prompt_ids is not None:
         ex = ids_example(record.prompt_ids, record.token_ids, max_len)
         if record.features is not None:  # features kept while the target generated this very sequence
@@ -204,10 +213,17 @@ class DraftDataModule(L.LightningDataModule):
         super().__init__()
         self.cfg, self.target, self.seed, self.mode = cfg, target, seed, mode
         self.train_examples: list[Example] = []
-        self.eval_examples: list[Example] = []
+        self.eval_examples: list[Example] = []  # the held-out text of the first evaluation temperature
+        self.eval_sets: dict[float, list[Example]] = {}  # temperature -> the held-out text α at it is measured on
+        self.eval_text: dict[float, str] = {}  # temperature -> which text that is (acceptance.json)
+        self.feature_cache: dict | None = None  # where the disk feature cache is, its size (features_on_disk)
 
-    def prepare(self, layers=()) -> None:
-        """Read, split, self-distil and tokenise. ``layers``: keep these target features while generating."""
+    def prepare(self, layers=(), eval_temperatures=(0.0,), eval_top_p: float = 1.0) -> None:
+        """Read, split, self-distil and tokenise. ``layers``: keep these target features while generating.
+
+        α at temperature T is measured on what a runner at T verifies: held-out prompts are answered by the target
+        greedily for T = 0 and sampled at T otherwise (held-out records that come with answers keep them).
+        """
         c, tok = self.cfg, self.target.tokenizer
         layers = tuple(sorted(set(layers) | {self.target.dims.num_layers})) if c.cache_features and layers else ()
         if c.respond not in ("auto", "target", "dataset"):
@@ -219,18 +235,18 @@ class DraftDataModule(L.LightningDataModule):
                                        c.max_eval_records, self.seed)
         if self.mode == "eval":
             train = []
-        for split, records in (("train", train), ("eval", heldout)):
-            if c.respond == "dataset":
-                records = [r for r in records if not r.needs_answer]
-            else:
-                records = answer(records, self.target, c.distill, force=c.respond == "target", split=split,
-                                 layers=layers if split == "train" else ())
-            examples = [tokenize(r, tok, c.max_len) for r in records]
-            kept = [ex for ex in examples if ex.loss_mask.any()]
-            if records and not kept:
-                raise UserError(f"no {split} tokens to learn from in {len(records)} records (first: {records[0].where})"
-                                f"; chat data needs assistant turns, or raise data.max_len={c.max_len}")
-            setattr(self, f"{split}_examples", kept)
+        self.train_examples = self._examples("train", train, c.distill, layers)
+        for t in dict.fromkeys(float(t) for t in eval_temperatures):
+            sampling = replace(c.distill, temperature=t, top_p=eval_top_p if t > 0 else 1.0, samples_per_prompt=1)
+            self.eval_sets[t] = self._examples(f"eval-t{t:g}", heldout, sampling)
+            answered = 0 if c.respond == "dataset" else len(heldout) if c.respond == "target" else \
+                sum(r.needs_answer for r in heldout)
+            how = "greedy answers" if t == 0 else f"answers sampled at T={t:g}, top_p={sampling.top_p:g}"
+            parts = [f"the target's {how} to {answered} held-out prompts"] if answered else []
+            if len(heldout) > answered:
+                parts.append(f"dataset text of {len(heldout) - answered} held-out records")
+            self.eval_text[t] = "; ".join(parts)
+        self.eval_examples = next(iter(self.eval_sets.values()), [])
         if self.mode == "train" and not self.train_examples:
             raise UserError("no training data; set data.train_files")
         if not self.eval_examples:
@@ -238,6 +254,18 @@ class DraftDataModule(L.LightningDataModule):
         log.info("data %s: %d train sequences (%d trained tokens), %d held-out (%d tokens)", c.name,
                  len(self.train_examples), self.num_tokens(self.train_examples), len(self.eval_examples),
                  self.num_tokens(self.eval_examples))
+
+    def _examples(self, split: str, records: list[Record], sampling, layers=()) -> list[Example]:
+        c = self.cfg
+        if c.respond == "dataset":
+            records = [r for r in records if not r.needs_answer]
+        else:
+            records = answer(records, self.target, sampling, force=c.respond == "target", split=split, layers=layers)
+        kept = [ex for ex in (tokenize(r, self.target.tokenizer, c.max_len) for r in records) if ex.loss_mask.any()]
+        if records and not kept:
+            raise UserError(f"no {split} tokens to learn from in {len(records)} records (first: {records[0].where})"
+                            f"; chat data needs assistant turns, or raise data.max_len={c.max_len}")
+        return kept
 
     @torch.no_grad()
     def cache_features(self, layers) -> None:
@@ -247,6 +275,12 @@ class DraftDataModule(L.LightningDataModule):
         target's logits with the lm_head: far cheaper than the decoder stack and far smaller than [T, V] logits).
         """
         layers = sorted(set(layers) | {self.target.dims.num_layers})
+        if self.cfg.features_on_disk:
+            from train.feature_cache import attach
+
+            self.feature_cache = attach(self.target, self.train_examples, layers, self.cfg.max_len,
+                                        self.cfg.feature_dir, batch_size=self.cfg.eval_batch_size)
+            return
         device = next(self.target.model.parameters()).device
         loader = self._loader(self.train_examples, LengthGroupedBatches(
             [len(ex.input_ids) for ex in self.train_examples], self.cfg.eval_batch_size, shuffle=False, drop_last=False))
@@ -293,8 +327,17 @@ class DraftDataModule(L.LightningDataModule):
         return self._loader(self.eval_examples, LengthGroupedBatches(lengths, self.cfg.eval_batch_size, shuffle=False,
                                                                      rank=rank, world=world, drop_last=False))
 
-    def eval_loader(self) -> DataLoader:
+    def eval_loader(self, examples: list[Example] | None = None) -> DataLoader:
         """All held-out data in one process, for the final acceptance measurement."""
-        lengths = [len(ex.input_ids) for ex in self.eval_examples]
-        return self._loader(self.eval_examples, LengthGroupedBatches(lengths, self.cfg.eval_batch_size, shuffle=False,
-                                                                     drop_last=False))
+        examples = self.eval_examples if examples is None else examples
+        lengths = [len(ex.input_ids) for ex in examples]
+        return self._loader(examples, LengthGroupedBatches(lengths, self.cfg.eval_batch_size, shuffle=False,
+                                                           drop_last=False))
+
+    def eval_loaders(self) -> dict[float, dict]:
+        """{temperature: {category: loader}} over each temperature's own held-out text (acceptance.measure_sets)."""
+        sets = {}
+        for t, examples in self.eval_sets.items():
+            categories = sorted({ex.category for ex in examples}, key=str)
+            sets[t] = {cat: self.eval_loader([ex for ex in examples if ex.category == cat]) for cat in categories}
+        return sets

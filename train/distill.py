@@ -139,17 +139,21 @@ def _answer_all(target: Target, pending: list[Record], cfg: DistillConfig, layer
                     r.messages.append({"role": "user", "content": r.followups.pop(0)})
 
 
+def as_question(r: Record) -> Record:
+    """The record with its assistant turns removed: the first user turn asked, the later ones queued as followups."""
+    if r.messages is None or r.messages[-1]["role"] != "assistant":
+        return r
+    r = copy.deepcopy(r)
+    turns = [m["content"] for m in r.messages if m["role"] == "user"]
+    r.messages = [m for m in r.messages if m["role"] == "system"] + [{"role": "user", "content": turns[0]}]
+    r.followups = turns[1:]
+    return r
+
+
 def answer(records: list[Record], target: Target, cfg: DistillConfig, force: bool = False, split: str = "train",
            layers=()) -> list[Record]:
     """Records with every answer written by the target (cached). ``force``: regenerate existing answers too."""
-    todo = []
-    for r in records:
-        if force and r.messages is not None and r.messages[-1]["role"] == "assistant":
-            r = copy.deepcopy(r)
-            turns = [m["content"] for m in r.messages if m["role"] == "user"]
-            r.messages = [m for m in r.messages if m["role"] == "system"] + [{"role": "user", "content": turns[0]}]
-            r.followups = turns[1:]
-        todo.append(r)
+    todo = [as_question(r) if force else r for r in records]
     pending_idx = {i for i, r in enumerate(todo) if r.needs_answer}
     if not pending_idx:
         return todo
@@ -172,4 +176,6 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
                     {"prompt_ids": r.prompt_ids, "token_ids": r.token_ids}
                 f.write(json.dumps(row) + "\n")
         tmp.replace(path)  # atomic: a killed run leaves no half-written cache
+    for r, src in zip(answered, pending):  # the cache file keeps only the text
+        r.category = src.category
     return [r for i, r in enumerate(todo) if i not in pending_idx] + answered

@@ -3,6 +3,7 @@
     python train/main.py                                  # EAGLE-3 on SmolLM2-135M, self-distilled data, CPU
     python train/main.py head=eagle target=llama2-7b      # with a GPU and the weights (add trainer=ddp for many)
     python train/main.py mode=eval head_path=DIR/head target=smollm2-135m data.eval_files=[FILE] hydra.run.dir=DIR2
+    python train/main.py mode=distill distill.max_records=2000  # the target answers data/train once, in shards
 
 Outputs land in the Hydra run directory (``hydra.run.dir=DIR``): ``acceptance.json`` (α per draft position, trained
 and untrained, predicted τ), ``head/`` (the native head: config.json + model.safetensors), ``checkpoints/last.ckpt``
@@ -138,11 +139,17 @@ def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
     return str(path)
 
 
-def prepare_data(data, layers=()) -> None:
+def prepare_data(data, *args) -> None:
     try:
-        data.prepare(layers)
+        data.prepare(*args)
     except MissingChatTemplate as e:
         raise UserError(str(e)) from e
+
+
+def eval_temperatures(cfg: DictConfig) -> list[float]:
+    """The main evaluation temperature first, then the extra ones (each measured on its own held-out text)."""
+    e = cfg.eval
+    return list(dict.fromkeys([float(e.temperature)] + [float(t) for t in e.extra_temperatures]))
 
 
 def data_description(cfg, data) -> dict:
@@ -152,7 +159,7 @@ def data_description(cfg, data) -> dict:
 
 def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     """mode=eval: α of a saved head on held-out files, written to OUT/acceptance.json."""
-    from train.acceptance import acceptance_record, measure, write_json
+    from train.acceptance import acceptance_record, measure_sets, write_json
     from train.data import DataConfig, DraftDataModule
 
     if not cfg.get("head_path"):
@@ -165,27 +172,36 @@ def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
     dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
     data = DraftDataModule(dcfg, target, cfg.seed, mode="eval")
-    prepare_data(data)
-    e = cfg.eval
-    temps = [float(e.temperature)] + [float(t) for t in e.extra_temperatures if float(t) != float(e.temperature)]
-    measured = measure({"head": head}, target, data.eval_loader(), temps, e.top_k, e.top_p)
+    e, temps = cfg.eval, eval_temperatures(cfg)
+    prepare_data(data, (), temps, e.top_p)
+    measured = measure_sets({"head": head}, target, data.eval_loaders(), e.top_k, e.top_p)
     record = acceptance_record(config["family"], target.name, data_description(dcfg, data), temps[0],
-                               measured["head"], top_k=e.top_k, top_p=e.top_p)
+                               measured["head"], top_k=e.top_k, top_p=e.top_p, texts=data.eval_text)
     record["head_path"] = str(cfg.head_path)
     write_json(out / "acceptance.json", record)
     return record
+
+
+def distill_step(cfg: DictConfig, target: Target, out: Path) -> dict:
+    """mode=distill: the target answers distill.files into resumable shards (train/regenerate.py)."""
+    from train.acceptance import write_json
+    from train.regenerate import RegenConfig, regenerate
+
+    summary = regenerate(RegenConfig(**OmegaConf.to_container(cfg.distill, resolve=True)), target)
+    write_json(out / "summary.json", summary)
+    return {}
 
 
 def train(cfg: DictConfig) -> dict:
     """Run the job described by ``cfg``; returns the acceptance record (also written to OUT/acceptance.json)."""
     import lightning as L
 
-    from train.acceptance import acceptance_record, measure, plot_alpha, write_json
+    from train.acceptance import acceptance_record, measure_sets, plot_alpha, write_json
     from train.data import DataConfig, DraftDataModule
     from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
 
-    if cfg.mode not in ("train", "eval"):
-        raise UserError(f"mode={cfg.mode!r}; choose train or eval")
+    if cfg.mode not in ("train", "eval", "distill"):
+        raise UserError(f"mode={cfg.mode!r}; choose train, eval or distill")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,13 +212,20 @@ def train(cfg: DictConfig) -> dict:
         raise UserError(f"cannot load target {cfg.target.name}: {str(e).splitlines()[0]}") from e
     if cfg.mode == "eval":
         return evaluate_saved(cfg, target, out)
+    if cfg.mode == "distill":
+        return distill_step(cfg, target, out)
 
     ckpt_path = checkpoint_to_resume(cfg, out)
     dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
     t0 = time.perf_counter()
+    if cfg.get("distill_first"):  # a recipe: the target answers distill.files first (resumable, reused)
+        from train.regenerate import RegenConfig, regenerate
+
+        answers = regenerate(RegenConfig(**OmegaConf.to_container(cfg.distill, resolve=True)), target)
+        dcfg.train_files = [d["files"] for d in answers["datasets"].values()]
     head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
     data = DraftDataModule(dcfg, target, cfg.seed)
-    prepare_data(data, head.feature_layers)
+    prepare_data(data, head.feature_layers, eval_temperatures(cfg), cfg.eval.top_p)
     init_head(head, data.token_counts())
     if dcfg.cache_features:
         data.cache_features(head.feature_layers)
@@ -215,7 +238,8 @@ def train(cfg: DictConfig) -> dict:
     trainer = build_trainer(cfg, out)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
-    log.info("trained %d steps in %.0f s", trainer.global_step, time.perf_counter() - t0)
+    log.info("trained %d steps in %.0f s (%d trained tokens, %.0f tokens/s in training steps)", trainer.global_step,
+             time.perf_counter() - t0, module.trained_tokens, module.trained_tokens / max(module.train_seconds, 1e-9))
     from train.strategies import consolidated_head  # lazy: imports Lightning's DeepSpeed strategy
 
     head = consolidated_head(trainer, module.head)  # whole fp32 weights under any strategy; every rank must call
@@ -225,12 +249,15 @@ def train(cfg: DictConfig) -> dict:
     save_head(head, out / "head", target.identity(),
               extra={"train": {"data": dcfg.name, "steps": trainer.global_step, "loss": asdict(loss)}})
     untrained = make_head(cfg, target, state=init_state)
-    temps = [float(ecfg.temperature)] + [float(t) for t in ecfg.extra_temperatures if float(t) != ecfg.temperature]
-    measured = measure({"trained": head, "untrained": untrained}, target, data.eval_loader(), temps,
-                       ecfg.top_k, ecfg.top_p)
-    record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), temps[0],
-                               measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p)
+    measured = measure_sets({"trained": head, "untrained": untrained}, target, data.eval_loaders(), ecfg.top_k,
+                            ecfg.top_p)
+    record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), float(ecfg.temperature),
+                               measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
     record["train_steps"] = trainer.global_step
+    record["trained_tokens"] = module.trained_tokens  # this process's share, this run (not before a resume)
+    record["trained_tokens_per_s"] = round(module.trained_tokens / max(module.train_seconds, 1e-9), 1)
+    if data.feature_cache:
+        record["feature_cache"] = data.feature_cache
     if trainer.logger:  # the held-out numbers next to the training curves (W&B summary, CSV row)
         trainer.logger.log_metrics({f"heldout/{key}@{k}": a for key in ("alpha", "alpha_untrained")
                                     for k, a in enumerate(record[key], start=1)}, step=trainer.global_step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass
 
 import lightning as L
@@ -57,6 +58,9 @@ class DraftModule(L.LightningModule):
         self.target = target  # a dataclass, not an nn.Module: stays out of state_dict and parameters()
         self.loss_cfg, self.optim_cfg, self.eval_cfg = loss, optim, evaluation
         self._val_sums: torch.Tensor | None = None
+        self.trained_tokens = 0  # tokens the loss was computed on (this run), for trained tokens/s
+        self.train_seconds = 0.0
+        self._step_start: float | None = None
 
     def _move_target(self) -> None:
         self.target.model.to(self.device)
@@ -71,7 +75,8 @@ class DraftModule(L.LightningModule):
         attn = batch["attention_mask"]
         L = self.target.dims.num_layers
         if f"hidden.{L}" in batch:  # features cached by the DataModule: only the lm_head runs here
-            hidden = {int(k.split(".")[1]): v for k, v in batch.items() if k.startswith("hidden.")}
+            dtype = self.target.lm_head.weight.dtype  # disk-cached features are bf16 whatever the target's dtype
+            hidden = {int(k.split(".")[1]): v.to(dtype) for k, v in batch.items() if k.startswith("hidden.")}
             mask = batch["loss_mask"]
             with torch.no_grad():  # logits only where a loss or α reads them (prompts are often half the tokens)
                 logits = hidden[L].new_zeros((*mask.shape, self.target.dims.vocab_size), dtype=torch.float32)
@@ -82,6 +87,17 @@ class DraftModule(L.LightningModule):
 
     def head_dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self._step_start is None:
+            return
+        self.train_seconds += time.perf_counter() - self._step_start  # steps only: validation is not training
+        self.trained_tokens += int(batch["loss_mask"].sum())
+        self.log("train/tokens_per_s", self.trained_tokens / max(self.train_seconds, 1e-9), prog_bar=True,
+                 batch_size=batch["input_ids"].shape[0])
 
     def training_step(self, batch, batch_idx):
         feats = self.features(batch).hidden_as(self.head_dtype())  # a bf16/fp16 target feeds an fp32 head

@@ -37,6 +37,7 @@ class Record:
     prompt_ids: list[int] | None = None  # pre-tokenised: prompt_ids + token_ids, token_ids trained
     token_ids: list[int] | None = None
     where: str = ""  # "file:line" for error messages
+    category: str | None = None  # e.g. Spec-Bench's "category": α is also reported per category
     features: dict | None = None  # target hidden states k -> [T, H] kept from generation (never saved)
 
     @property
@@ -72,6 +73,13 @@ def _alternating(turns, where: str) -> list[dict]:
 
 
 def parse_record(obj, where: str) -> Record:
+    record = _parse(obj, where)
+    if isinstance(obj.get("category"), str):
+        record.category = obj["category"]
+    return record
+
+
+def _parse(obj, where: str) -> Record:
     if not isinstance(obj, dict):
         raise UserError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
     if "prompt_ids" in obj or "token_ids" in obj:
@@ -130,6 +138,8 @@ def read_file(path: Path) -> list[Record]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line") from e
+                if isinstance(obj, dict) and "skipped" in obj:
+                    continue  # a prompt mode=distill left unanswered (too long), kept so its shard stays complete
                 records.append(parse_record(obj, f"{path}:{lineno}"))
     if not records:
         raise UserError(f"{path}: no records (empty file); point data.train_files / data.eval_files at real data")
@@ -187,8 +197,10 @@ def split_records(train_files, eval_files, heldout_fraction: float, max_train: i
     rng = random.Random(seed)  # subsample deterministically: the same subset on every rank and every resume
     if max_train is not None and len(train) > max_train:
         train = rng.sample(train, max_train)
-    if max_eval is not None and len(heldout) > max_eval:
-        heldout = heldout[:max_eval]
+    if max_eval is not None and len(heldout) > max_eval:  # round-robin over categories: every one represented
+        seen: dict = {}
+        rank = [seen.setdefault(r.category, []).append(r) or len(seen[r.category]) for r in heldout]
+        heldout = [r for _, _, r in sorted(zip(rank, range(len(heldout)), heldout))][:max_eval]
     overlap = {r.key() for r in train} & {r.key() for r in heldout}
     assert not overlap, f"{len(overlap)} held-out prompts are also training prompts"
     return train, heldout

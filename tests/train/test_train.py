@@ -46,7 +46,11 @@ def test_outputs_and_acceptance_json(fast_cfg, tmp_path):
         assert key in saved, key
     assert saved["target"] == "tiny-random" and saved["temperature"] == 0.0 and len(saved["alpha"]) == 3
     assert set(saved["tau_predicted"]) == {"1", "2", "3"} and saved["num_tokens"] > 100
-    assert saved["tau_predicted"]["1"] == pytest.approx(1 + saved["alpha"][0])
+    assert saved["tau_product_of_alpha"]["1"] == pytest.approx(1 + saved["alpha"][0])
+    assert saved["alpha_chain"][0] == pytest.approx(saved["alpha"][0])  # step 1 is not conditioned on anything
+    taus = [saved["tau_predicted"][g] for g in ("1", "2", "3")]
+    assert 1.0 <= taus[0] <= taus[1] <= taus[2] <= 1 + sum(saved["alpha"])
+    assert set(saved["text_by_temperature"]) == {"0.0", "1.0"}
     # training reached the measured head: it beats its own untrained start at every position and temperature
     for t, alphas in saved["alpha_by_temperature"].items():
         untrained = saved["alpha_untrained_by_temperature"][t]

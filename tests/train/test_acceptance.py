@@ -1,0 +1,87 @@
+"""τ predicted by walking the chain over held-out text equals a brute-force simulation of the runner; α per category
+adds up to the overall α."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from train.acceptance import Tally, chain_rounds, decoding
+
+
+def grid_and_mask(seed: int, B=3, T=40, K=4, binary=True):
+    rng = np.random.default_rng(seed)
+    grid = (rng.random((B, T, K)) < 0.6).astype(float) if binary else rng.random((B, T, K))
+    mask = np.zeros((B, T), bool)
+    mask[:, 5:22] = True  # two answer spans per row (a multi-turn record), prompts before each
+    mask[:, 27:38] = True
+    mask[1, 30:] = False  # rows of different lengths
+    for k in range(1, K + 1):  # step k at anchor t is only measured when the token after t + k is trained
+        grid[:, :, k - 1] *= np.concatenate([mask[:, k:], np.zeros((B, k), bool)], 1)
+    return grid, mask
+
+
+def simulate(grid, mask, gamma, rng=None) -> float:
+    """A runner over the text: a round at anchor t emits 1 + the drafts accepted in a row, then moves on; the
+    first token of a span comes from prefill and its last anchor has nothing left to emit."""
+    rounds = 0
+    active = decoding(mask)
+    for b in range(grid.shape[0]):
+        t = 0
+        while t < mask.shape[1]:
+            if not active[b, t]:
+                t += 1
+                continue
+            run = 0
+            while run < gamma and (grid[b, t, run] == 1 if rng is None else rng.random() < grid[b, t, run]):
+                run += 1
+            rounds += 1
+            t += 1 + run
+    return rounds
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4])
+def test_greedy_walk_is_the_runner_exactly(seed, gamma):
+    grid, mask = grid_and_mask(seed)
+    assert chain_rounds(grid, mask, gamma) == pytest.approx(simulate(grid, mask, gamma))
+
+
+def test_sampled_walk_is_the_expected_runner():
+    grid, mask = grid_and_mask(3, binary=False)
+    rng = np.random.default_rng(0)
+    runs = [simulate(grid, mask, 3, rng) for _ in range(3000)]
+    assert chain_rounds(grid, mask, 3) == pytest.approx(np.mean(runs), abs=4 * np.std(runs) / np.sqrt(len(runs)))
+
+
+def test_tally_alpha_and_chain_against_brute_force():
+    grid, mask = grid_and_mask(4)
+    tally = Tally(4)
+    tally.add(torch.from_numpy(grid), torch.from_numpy(mask))
+    s = tally.summary()
+    T = mask.shape[1]
+    for k in range(1, 5):
+        valid = mask[:, k:]  # anchor t counts for step k when the token after t + k is trained
+        assert s["alpha"][k - 1] == pytest.approx(grid[:, :T - k, k - 1][valid].mean())
+        reached = np.prod(grid[..., :k - 1], -1)[mask].sum() if k > 1 else mask.sum()
+        assert s["alpha_chain"][k - 1] == pytest.approx(np.prod(grid[..., :k], -1)[mask].sum() / reached)
+    assert s["tau_predicted"][3] == pytest.approx(decoding(mask).sum() / simulate(grid, mask, 3))
+
+
+def test_alpha_per_category_adds_up(fast_cfg, tmp_path):
+    from train.main import train
+
+    heldout = tmp_path / "cats.jsonl"
+    with open(heldout, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"category": ["writing", "math"][i % 2], "messages": [
+                {"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": f"An answer about {i}, " * (2 + i)}]}) + "\n")
+    record = train(fast_cfg("head=mtp", "trainer.max_steps=2", f"data.eval_files=[{heldout}]"))
+    alpha, tokens = record["alpha_by_category"], record["num_tokens_by_category"]
+    assert set(alpha) == {"writing", "math"} and sum(tokens.values()) == record["num_tokens"]
+    weighted = sum(alpha[c][0] * tokens[c] for c in alpha) / record["num_tokens"]
+    assert weighted == pytest.approx(record["alpha"][0])
+    assert record["text_by_temperature"]["0.0"] == "dataset text of 8 held-out records"

@@ -1,0 +1,47 @@
+"""The disk feature cache: training from it follows the online loss curve; bad shards and other keys are caught."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from train import UserError
+from train.main import train
+
+
+def losses(out: Path) -> list[float]:
+    rows = list(csv.DictReader(open(next(out.glob("csv/*/metrics.csv")))))
+    return [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+
+
+def test_cached_training_follows_online_training(fast_cfg, tmp_path):
+    common = ("head=eagle3", "logger=csv", "trainer.max_steps=10", "seed=3")
+    online = train(fast_cfg(*common, "data.cache_features=false", out=tmp_path / "online"))
+    disk = fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
+                    f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "disk")
+    cached = train(disk)
+    info = cached["feature_cache"]
+    assert info["shards_built"] == info["shards"] >= 1 and info["bytes_per_token"] == 2 * 64 * len(info["layers"])
+    a, b = losses(tmp_path / "online"), losses(tmp_path / "disk")
+    assert len(a) == len(b) == 10
+    assert np.allclose(a, b, rtol=2e-2, atol=1e-3), (a, b)  # bf16 features: close, not bit-equal
+    assert abs(online["alpha"][0] - cached["alpha"][0]) < 0.05
+    shards = sorted((tmp_path / "feats").glob("shard-*.npy"))
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    again = train(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
+                           f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "again"))
+    assert again["feature_cache"]["shards_built"] == 0 and stamps == [p.stat().st_mtime_ns for p in shards]
+    assert losses(tmp_path / "again") == b  # read back from disk: the very same run
+
+    shards[0].write_bytes(shards[0].read_bytes()[: shards[0].stat().st_size // 2])  # a half-written shard
+    rebuilt = train(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
+                             f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "rebuilt"))
+    assert rebuilt["feature_cache"]["shards_built"] == 1 and losses(tmp_path / "rebuilt") == b
+
+    with pytest.raises(UserError, match="made with other layers.*delete it or set data.feature_dir"):
+        train(fast_cfg("head=medusa", "data.cache_features=true", "data.features_on_disk=true",
+                       f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "medusa"))
+    assert json.loads((tmp_path / "feats" / "key.json").read_text())["layers"] == info["layers"]

@@ -1,0 +1,104 @@
+"""The target's features on disk: computed once, memory-mapped by every later run (EAGLE's offline features).
+
+Only what the head reads is kept: its tapped layers plus the last (post-norm) state, from which the module
+recomputes the target's logits with the lm_head. Values are bf16 (stored as int16 bit patterns in ``.npy`` files,
+since numpy has no bf16), one shard per ``shard_size`` training sequences: ``[tokens, len(layers) * H]`` rows with
+the sequences back to back. The directory is keyed by the target's identity, a hash of the tokenised training
+data, the layer ids and max_len (``key.json``); a directory built for anything else is refused. Shards are written
+to a temp file and renamed, and a shard whose size or shape is not what ``key.json`` promises is rebuilt, never read.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from heads.target import Target
+from train.regenerate import open_keyed_dir, write_atomic
+
+log = logging.getLogger(__name__)
+
+
+def data_hash(examples) -> str:
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(ex.input_ids.numpy().tobytes())
+        h.update(ex.loss_mask.numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def cache_key(target: Target, examples, layers, max_len: int, shard_size: int) -> dict:
+    return {"version": 1, "target": target.identity(), "data_sha256": data_hash(examples), "layers": list(layers),
+            "max_len": max_len, "shard_size": shard_size, "dtype": "bfloat16",
+            "lengths": [len(ex.input_ids) for ex in examples]}
+
+
+def read_shard(path: Path, tokens: int, width: int) -> np.ndarray | None:
+    """The shard memory-mapped (copy-on-write: torch wants writable arrays, the file is never written), or None."""
+    try:
+        arr = np.load(path, mmap_mode="c")
+    except (OSError, ValueError, EOFError):
+        return None
+    return arr if arr.shape == (tokens, width) and arr.dtype == np.int16 else None
+
+
+@torch.no_grad()
+def compute(target: Target, examples, layers, batch_size: int) -> list[torch.Tensor]:
+    """[T, len(layers) * H] bf16 features per example (kept-from-generation features are reused as they are)."""
+    device = next(target.model.parameters()).device
+    out: list[torch.Tensor | None] = [None] * len(examples)
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i].input_ids))
+    for b0 in range(0, len(order), batch_size):
+        idx = order[b0:b0 + batch_size]
+        if all(examples[i].hidden is not None for i in idx):
+            for i in idx:
+                out[i] = torch.cat([examples[i].hidden[k] for k in layers], -1).to(torch.bfloat16)
+            continue
+        T = max(len(examples[i].input_ids) for i in idx)
+        ids = torch.full((len(idx), T), target.tokenizer.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(idx), T), dtype=torch.long)
+        for r, i in enumerate(idx):  # right padding, as training batches are padded
+            n = len(examples[i].input_ids)
+            ids[r, :n], attn[r, :n] = examples[i].input_ids, 1
+        feats = target.features(ids.to(device), None, None if bool(attn.all()) else attn.to(device), layers=layers)
+        for r, i in enumerate(idx):
+            n = len(examples[i].input_ids)
+            out[i] = torch.cat([feats.hidden[k][r, :n] for k in layers], -1).to(torch.bfloat16).cpu()
+    return out
+
+
+def attach(target: Target, examples, layers, max_len: int, root: str | None = None, shard_size: int = 512,
+           batch_size: int = 8) -> dict:
+    """Give every example ``hidden`` {k: [T, H] bf16 memory-mapped view}, building missing shards first."""
+    layers = sorted(set(layers))
+    H = target.dims.hidden_size
+    key = cache_key(target, examples, layers, max_len, shard_size)
+    path = open_keyed_dir(root, "features", target, key, "data.feature_dir")
+    shards = [range(s, min(s + shard_size, len(examples))) for s in range(0, len(examples), shard_size)]
+    width, built = len(layers) * H, 0
+    for s, idx in enumerate(tqdm(shards, desc="feature cache", unit="shard", leave=False)):
+        file = path / f"shard-{s:05d}.npy"
+        tokens = sum(len(examples[i].input_ids) for i in idx)
+        arr = read_shard(file, tokens, width)
+        if arr is None:
+            if file.exists():
+                log.warning("feature cache shard %s is incomplete or corrupt: rebuilding it", file)
+            rows = torch.cat(compute(target, [examples[i] for i in idx], layers, batch_size))  # [tokens, width]
+            write_atomic(file, lambda f: np.save(f, rows.view(torch.int16).numpy()), "data.feature_dir")
+            arr, built = read_shard(file, tokens, width), built + 1
+        flat = torch.from_numpy(arr).view(torch.bfloat16)  # [tokens, L * H], no copy
+        offset = 0
+        for i in idx:
+            n = len(examples[i].input_ids)
+            examples[i].hidden = {k: flat[offset:offset + n, j * H:(j + 1) * H] for j, k in enumerate(layers)}
+            offset += n
+    info = {"dir": str(path), "shards": len(shards), "shards_built": built, "layers": layers,
+            "bytes_per_token": width * 2, "tokens": sum(key["lengths"])}
+    log.info("feature cache %s: %d shards (%d built now), %d tokens, %d bytes/token", path, len(shards), built,
+             info["tokens"], info["bytes_per_token"])
+    return info
