@@ -10,6 +10,13 @@ at position t+k, i.e. ``target_logits[:, t + k]``. Step k is only defined for an
 So ``HeadOutput.logits[k-1][:, t]`` is compared with ``target_logits[:, t + k]``; ``heads.losses.shift_pair`` does
 that slicing once for the loss, for α and for the tests.
 
+Logits are read out late
+------------------------
+A head's forward returns, per step, the features its logits are read from (``states``) and the read-out itself
+(``readout``: lm_head, norm + lm_head, ...). The loss applies the read-out only to the rows it scores: on a 49k
+vocabulary the [B, T, V] logits of prompt and padding positions, and their gradients, were most of a training
+step. ``HeadOutput.logits`` still gives every position's logits for the callers that want them all.
+
 Drafting
 --------
 Serving drafts one anchor at a time with a cache the head owns. ``commit`` writes the newly accepted positions
@@ -22,7 +29,8 @@ them, which is how rejected drafts are rolled back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from functools import cached_property
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
@@ -73,8 +81,19 @@ class TargetFeatures:
 
 @dataclass
 class HeadOutput:
-    logits: list[torch.Tensor]  # K tensors [B, T, V_draft]: step k at anchor t predicts x_{t+1+k}
+    states: list[torch.Tensor]  # K tensors [B, T, *]: what step k's logits at anchor t are read from
     aux: dict[str, torch.Tensor] = field(default_factory=dict)  # extra losses, already reduced (e.g. feature L1)
+    readout: Callable[[int, torch.Tensor], torch.Tensor] | None = None  # (k, rows [..., *]) -> [..., V_draft];
+    # None: the states already are logits
+
+    def step_logits(self, k: int, rows: torch.Tensor) -> torch.Tensor:
+        """Draft step k's (1-based) logits [..., V_draft] for ``rows`` [..., *] picked from ``states[k-1]``."""
+        return rows if self.readout is None else self.readout(k, rows)
+
+    @cached_property
+    def logits(self) -> list[torch.Tensor]:
+        """K tensors [B, T, V_draft] (every position): step k at anchor t predicts x_{t+1+k}."""
+        return [self.step_logits(k, s) for k, s in enumerate(self.states, start=1)]
 
 
 class DraftHead(nn.Module):

@@ -44,13 +44,13 @@ class ChainHead(DraftHead):
         B, T = feats.input_ids.shape
         h = self.fuse(feats.hidden)
         ttt_kv: list = []
-        logits, outputs = [], []
+        outputs = []
         for k in range(1, (num_steps or self.num_steps) + 1):
             positions = torch.arange(T, device=h.device) + (k - 1)  # step k of anchor t sits at position t+k-1
             h = self.block(h, shifted_tokens(feats.input_ids, k), positions, ttt_kv=ttt_kv)
-            logits.append(self.logits(h))
             outputs.append(h)
-        return HeadOutput(logits, self.aux_losses(outputs, feats))
+        # The decoder layer needs every position (attention); the read-out only the scored ones.
+        return HeadOutput(outputs, self.aux_losses(outputs, feats), readout=lambda k, rows: self.logits(rows))
 
     def aux_losses(self, outputs, feats) -> dict[str, torch.Tensor]:
         return {}

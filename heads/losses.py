@@ -27,9 +27,14 @@ def alpha(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor
     return torch.minimum(target_probs, draft_probs).sum(-1)
 
 
-def distill_loss(draft_logits, target_logits, kind: str = "soft_ce"):
-    """Per-position loss [N] between a draft and the target's next-token distribution (rows of [N, V])."""
-    target_probs = target_logits.float().softmax(-1)
+def scored_logits(out: HeadOutput, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Draft step k's logits [N, V_draft] at the anchors whose predicted token is scored (``shift_pair``'s mask),
+    read out only there. Rows in the order of ``target[:, k:][mask[:, k:]]``."""
+    return out.step_logits(k, out.states[k - 1][:, :-k][mask[:, k:]])
+
+
+def distill_loss(draft_logits, target_probs, kind: str = "soft_ce"):
+    """Per-position loss [N] between draft logits and the target's next-token probabilities (rows of [N, V])."""
     draft_logp = draft_logits.float().log_softmax(-1)
     if kind == "soft_ce":
         return -(target_probs * draft_logp.clamp_min(-1e4)).sum(-1)
@@ -45,35 +50,39 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
     """Masked mean loss per step, weighted step_decay**(k-1), and α per step at ``temperature``.
 
     Returns (loss, {"loss@k": ..., "alpha@k": ..., "count@k": ...} for k = 1..K, plus aux losses).
+    Only scored rows are ever built: the draft's logits (``scored_logits``) and the target's soft labels, the
+    latter once for all steps (step k reads position s's target for s >= k, the same rows every step).
     α here equals ``alpha_sums``' (q is zero outside a reduced draft vocabulary, so Σ_x min(p, q) only needs p on
-    the draft columns and the target's full normaliser) without building [N, V] probability tensors per step:
-    training calls this every batch, and on a 49k vocabulary those dominated the step.
+    the draft columns and the target's full normaliser).
     """
     total = 0.0
     stats: dict[str, torch.Tensor] = {}
+    mask = feats.loss_mask
     V = feats.target_logits.shape[-1]
     cols = head.from_target_vocab(torch.arange(V, device=feats.target_logits.device))  # [V_draft] target ids
-    # A reduced draft vocabulary learns the target's distribution restricted (renormalised) to that vocabulary.
-    target_draft = feats.target_logits if cols.numel() == V else feats.target_logits.index_select(-1, cols)
+    position = mask.nonzero()[:, 1]  # [N] position of each scored row, in boolean-indexing order
+    scored = feats.target_logits[mask].float()  # [N, V]
     with torch.no_grad():
-        if temperature > 0:
-            lse = (feats.target_logits.float() / temperature).logsumexp(-1)  # [B, T] full-vocab normaliser
+        # A reduced draft vocabulary learns the target's distribution restricted (renormalised) to that vocabulary.
+        target_draft = scored if cols.numel() == V else scored.index_select(-1, cols)  # [N, V_draft]
+        target_probs = target_draft.softmax(-1)
+        if temperature > 0:  # p on the draft columns over the full-vocab normaliser
+            alpha_probs = (target_draft / temperature - (scored / temperature).logsumexp(-1, keepdim=True)).exp()
         else:
-            best = feats.target_logits.argmax(-1)  # [B, T]
-    for k, logits in enumerate(out.logits, start=1):
-        draft, target, mask = shift_pair(logits, target_draft, feats.loss_mask, k)  # target [B, T-k, V_draft]
-        count = mask.sum()
+            best = scored.argmax(-1)  # [N]
+    for k in range(1, len(out.states) + 1):
+        rows = position >= k  # [N] the scored positions step k predicts (anchor = position - k >= 0)
+        count = rows.sum()
         if count == 0:
             continue
-        draft, target = draft[mask], target[mask]  # [N, V_draft]
-        step_loss = distill_loss(draft, target, kind).mean()
+        draft = scored_logits(out, mask, k)  # [count, V_draft]
+        step_loss = distill_loss(draft, target_probs[rows], kind).mean()
         total = total + step_decay ** (k - 1) * step_loss
         with torch.no_grad():
             if temperature > 0:
-                target_probs = (target.float() / temperature - lse[:, k:][mask][:, None]).exp()
-                a = alpha(target_probs, (draft.detach().float() / temperature).softmax(-1))
+                a = alpha(alpha_probs[rows], (draft.detach().float() / temperature).softmax(-1))
             else:
-                a = (cols[draft.argmax(-1)] == best[:, k:][mask]).float()
+                a = (cols[draft.argmax(-1)] == best[rows]).float()
         stats[f"loss@{k}"] = step_loss.detach()
         stats[f"alpha@{k}"] = a.mean()
         stats[f"count@{k}"] = count
@@ -83,13 +92,26 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
     return total, stats
 
 
+def full_vocab_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce", step_decay: float = 1.0):
+    """The distillation loss of ``head_loss`` written the plain way: every position's logits, the target's
+    softmax per step, then the mask. ``head_loss`` must equal it; tests and scripts/bench_vocab_cost.py hold it
+    as the reference (it is what training computed before logits were read out late)."""
+    total = 0.0
+    for k, logits in enumerate(out.logits, start=1):
+        draft, target, mask = shift_pair(logits, head.from_target_vocab(feats.target_logits), feats.loss_mask, k)
+        if mask.any():
+            step = distill_loss(draft[mask], target[mask].float().softmax(-1), kind).mean()
+            total = total + step_decay ** (k - 1) * step
+    return sum(out.aux.values(), total)
+
+
 @torch.no_grad()
 def alpha_sums(head, out: HeadOutput, feats: TargetFeatures, temperature=0.0, top_k=0, top_p=1.0):
     """Σ α and token count per step over target-vocab distributions, for exact held-out aggregation."""
     sums, counts = [], []
-    for k, logits in enumerate(out.logits, start=1):
-        draft, target, mask = shift_pair(head.to_target_vocab(logits), feats.target_logits, feats.loss_mask, k)
-        draft, target = draft[mask], target[mask]
+    for k in range(1, len(out.states) + 1):
+        mask = feats.loss_mask[:, k:]
+        draft, target = head.to_target_vocab(scored_logits(out, feats.loss_mask, k)), feats.target_logits[:, k:][mask]
         a = alpha(probs_from_logits(target, temperature, top_k, top_p), probs_from_logits(draft, temperature, top_k, top_p))
         sums.append(a.sum().item())
         counts.append(int(mask.sum()))

@@ -57,7 +57,8 @@ class Medusa(DraftHead):
 
     def forward(self, feats: TargetFeatures, num_steps: int | None = None) -> HeadOutput:
         h = feats.hidden[self.dims.num_layers]  # [B, T, H]
-        return HeadOutput([self.head_logits(h, k) for k in range(num_steps or self.num_steps)])
+        # Every head reads the same h_t; its ResBlock and lm_head run only where the loss reads them.
+        return HeadOutput([h] * (num_steps or self.num_steps), readout=lambda k, rows: self.head_logits(rows, k - 1))
 
     # Drafting: the "cache" is just the last committed hidden state.
     def new_cache(self, max_len, device, dtype):

@@ -59,11 +59,11 @@ class Mtp(DraftHead):
         T = feats.input_ids.shape[1]
         h = feats.hidden[self.dims.num_layers]
         positions = torch.arange(T, device=h.device)
-        logits = []
+        states = []
         for k in range(1, (num_steps or self.num_steps) + 1):
             h = self.layers[k - 1](self.embed(shifted_tokens(feats.input_ids, k), h.dtype), h, positions)
-            logits.append(self.logits(h))
-        return HeadOutput(logits)
+            states.append(h)
+        return HeadOutput(states, readout=lambda k, rows: self.logits(rows))
 
     # -- drafting ------------------------------------------------------------------------------------------
     def new_cache(self, max_len, device, dtype):

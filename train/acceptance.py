@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from heads.base import DraftHead
-from heads.losses import alpha, shift_pair, tau_predicted
+from heads.losses import alpha, scored_logits, tau_predicted
 from heads.sampling import probs_from_logits
 from heads.target import Target
 
@@ -33,11 +33,12 @@ def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int,
     """[B, T, K]: α of draft step k at anchor t (Σ min(p, q); 0/1 at T = 0); 0 where the predicted token is not
     trained."""
     B, T = feats.loss_mask.shape
-    grid = torch.zeros((B, T, len(out.logits)), dtype=torch.float64)
-    for k, logits in enumerate(out.logits, start=1):
-        draft, target_logits, mask = shift_pair(head.to_target_vocab(logits), feats.target_logits, feats.loss_mask, k)
-        a = alpha(probs_from_logits(target_logits[mask], temperature, top_k, top_p),
-                  probs_from_logits(draft[mask], temperature, top_k, top_p))
+    grid = torch.zeros((B, T, len(out.states)), dtype=torch.float64)
+    for k in range(1, len(out.states) + 1):
+        mask = feats.loss_mask[:, k:]
+        draft = head.to_target_vocab(scored_logits(out, feats.loss_mask, k))  # [N, V], scored anchors only
+        a = alpha(probs_from_logits(feats.target_logits[:, k:][mask], temperature, top_k, top_p),
+                  probs_from_logits(draft, temperature, top_k, top_p))
         step = grid[:, :T - k, k - 1]  # a view: anchor t, step k predicts the token after t + k
         step[mask.cpu()] = a.double().cpu()
     return grid

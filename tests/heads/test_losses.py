@@ -127,3 +127,41 @@ def test_training_alpha_equals_alpha_sums(name, temperature, tiny_target):
     for k in (1, 2, 3):
         assert stats[f"alpha@{k}"].item() == pytest.approx(sums[k - 1] / counts[k - 1], abs=1e-5)
         assert int(stats[f"count@{k}"]) == counts[k - 1]
+
+
+@pytest.mark.parametrize("name,kind", [("medusa", "soft_ce"), ("eagle", "soft_ce"), ("eagle", "kl"),
+                                       ("eagle3", "soft_ce"), ("mtp", "tv")])
+def test_scored_rows_loss_equals_full_vocab_loss(name, kind, tiny_target):
+    """head_loss reads logits out only at scored rows and builds the target's soft labels once; the loss and every
+    gradient must be those of the plain full-vocabulary computation, or the speed-up changed training."""
+    from heads import build_head
+    from heads.losses import full_vocab_loss, head_loss
+
+    head = build_head(name, tiny_target.dims, num_steps=3, **({"draft_vocab_size": 100} if name == "eagle3" else {}))
+    head.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
+    if name == "eagle3":
+        head.set_vocab_map(torch.rand(tiny_target.dims.vocab_size, generator=torch.Generator().manual_seed(0)))
+    head.init_from_target()
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tiny_target.dims.vocab_size, (3, 40), generator=g)
+    mask = torch.rand(3, 40, generator=g) > 0.4
+    mask[:, :6] = False  # a prompt, and a row that is all padding: rows no step scores
+    mask[2] = False
+    feats = tiny_target.features(ids, mask, layers=head.feature_layers)
+
+    def loss_and_grads(fn):
+        head.zero_grad()
+        loss = fn(head, head(feats), feats, kind=kind, step_decay=0.8)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads(head_loss)
+    ref_loss, ref_grads = loss_and_grads(full_vocab_loss)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 0
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert any(g.abs().sum() > 0 for g in grads.values())
