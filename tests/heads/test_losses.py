@@ -104,20 +104,28 @@ def test_wrong_head_is_not_accepted(tiny_target):
     assert sums[0] / counts[0] < 0.3
 
 
+def random_head(name, target):
+    """A 3-step head with random weights (EAGLE-3: a random 100-token draft vocabulary): a trained head's
+    logits are far from uniform, and so are these."""
+    from heads import build_head
+
+    head = build_head(name, target.dims, num_steps=3, **({"draft_vocab_size": 100} if name == "eagle3" else {}))
+    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    if name == "eagle3":
+        head.set_vocab_map(torch.rand(target.dims.vocab_size, generator=torch.Generator().manual_seed(0)))
+    head.init_from_target()
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return head
+
+
 @pytest.mark.parametrize("name", ["eagle3", "medusa"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_training_alpha_equals_alpha_sums(name, temperature, tiny_target):
     """head_loss' fast α (no [N, V] tensors) is the same number alpha_sums computes over the target vocabulary."""
-    from heads import build_head
     from heads.losses import head_loss
 
-    head = build_head(name, tiny_target.dims, num_steps=3, **({"draft_vocab_size": 100} if name == "eagle3" else {}))
-    head.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
-    if name == "eagle3":
-        head.set_vocab_map(torch.rand(tiny_target.dims.vocab_size, generator=torch.Generator().manual_seed(0)))
-    head.init_from_target()
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+    head = random_head(name, tiny_target)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, tiny_target.dims.vocab_size, (3, 40), generator=g)
     feats = tiny_target.features(ids, torch.rand(3, 40, generator=g) > 0.3, layers=head.feature_layers)
@@ -134,16 +142,9 @@ def test_training_alpha_equals_alpha_sums(name, temperature, tiny_target):
 def test_scored_rows_loss_equals_full_vocab_loss(name, kind, tiny_target):
     """head_loss reads logits out only at scored rows and builds the target's soft labels once; the loss and every
     gradient must be those of the plain full-vocabulary computation, or the speed-up changed training."""
-    from heads import build_head
     from heads.losses import full_vocab_loss, head_loss
 
-    head = build_head(name, tiny_target.dims, num_steps=3, **({"draft_vocab_size": 100} if name == "eagle3" else {}))
-    head.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
-    if name == "eagle3":
-        head.set_vocab_map(torch.rand(tiny_target.dims.vocab_size, generator=torch.Generator().manual_seed(0)))
-    head.init_from_target()
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+    head = random_head(name, tiny_target)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, tiny_target.dims.vocab_size, (3, 40), generator=g)
     mask = torch.rand(3, 40, generator=g) > 0.4
