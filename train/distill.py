@@ -24,6 +24,7 @@ from tqdm import tqdm
 from heads import chat
 from heads.sampling import probs_from_logits
 from heads.target import Target, cache_dir
+from train.kv_cache import slot_cache
 from train.records import Record
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ def sample(model, prompts: list[list[int]], cfg: DistillConfig, stop: list[int],
     Returns (new tokens per prompt, the stop token included when reached; and when ``layers`` is non-empty, per
     prompt {k: [len(prompt) + len(new), H]} hidden states, i.e. HF ``hidden_states[k]`` of every token).
     """
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths -> little left padding
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -67,42 +66,53 @@ def sample(model, prompts: list[list[int]], cfg: DistillConfig, stop: list[int],
         gen = torch.Generator(device=device).manual_seed(cfg.seed + b0)
         T = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), T), pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((len(rows), T), dtype=torch.long, device=device)
+        # the 2-D mask for prompt + every answer slot, allocated once; each step passes its first columns
+        mask = torch.ones((len(rows), T + cfg.max_new_tokens), dtype=torch.long, device=device)
         for r, i in enumerate(rows):  # left padding: every row's next token lands in the same column
             ids[r, T - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, T - len(prompts[i]):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = DynamicCache()
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+            mask[r, :T - len(prompts[i])] = 0
+        positions = (mask[:, :T].cumsum(-1) - 1).clamp_min(0)
+        cache = slot_cache(model, T + cfg.max_new_tokens)
+        out = model(input_ids=ids, attention_mask=mask[:, :T], position_ids=positions, cache=cache, use_cache=True,
                     output_hidden_states=bool(layers), logits_to_keep=1)  # the lm_head only where we sample
         for r, i in enumerate(rows):
             for k in layers:
                 hidden[i][k].append(out.hidden_states[k][r, T - len(prompts[i]):])
         logits = out.logits[:, -1]  # [B, V]
-        alive = list(rows)  # prompt index of each live row
+        slots: list[int | None] = list(rows)  # prompt index of each batch row; None once it finished
         for step in range(cfg.max_new_tokens):
-            probs = probs_from_logits(logits, cfg.temperature, 0, cfg.top_p)
-            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # [B]
-            for r, i in enumerate(alive):
-                tokens[i].append(int(nxt[r]))
-            done = torch.isin(nxt, stop_t) | (step == cfg.max_new_tokens - 1)
-            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+            live = [r for r, i in enumerate(slots) if i is not None]
+            # finished rows stay in the batch until compacted, but draw nothing: the generator's stream (and so
+            # every sampled token) is the one of a batch holding only the live rows
+            probs = probs_from_logits(logits[live] if len(live) < len(slots) else logits, cfg.temperature, 0,
+                                      cfg.top_p)
+            drawn = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # [live]
+            for r, t in zip(live, drawn.tolist()):
+                tokens[slots[r]].append(t)
+            done = torch.isin(drawn, stop_t) | (step == cfg.max_new_tokens - 1)
+            nxt = torch.full((len(slots),), pad_id, dtype=torch.long, device=device)
+            nxt[live] = drawn
             positions = positions[:, -1:] + 1
             if layers or not done.all():  # with layers, finished rows read their last token once more
-                out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                            use_cache=True, output_hidden_states=bool(layers))
+                out = model(input_ids=nxt[:, None], attention_mask=mask[:, :T + step + 1], position_ids=positions,
+                            cache=cache, use_cache=True, output_hidden_states=bool(layers))
                 logits = out.logits[:, -1]
-                for r, i in enumerate(alive):
+                for r in live:
                     for k in layers:
-                        hidden[i][k].append(out.hidden_states[k][r])
-            if done.any():  # drop finished rows from the batch and the cache: no compute on dead rows
+                        hidden[slots[r]][k].append(out.hidden_states[k][r])
+            if done.any():
                 bar.update(int(done.sum()))
-                keep = (~done).nonzero().squeeze(-1)
-                alive = [alive[r] for r in keep.tolist()]
-                if not alive:
+                for r in (torch.tensor(live)[done]).tolist():
+                    slots[r] = None
+                keep = [r for r, i in enumerate(slots) if i is not None]
+                if not keep:
                     break
-                cache.batch_select_indices(keep)
-                mask, positions, logits = mask[keep], positions[keep], logits[keep]
+                # dropping rows copies the whole cache: worth it once a quarter of the batch computes for nothing
+                if len(slots) - len(keep) >= len(slots) / 4:
+                    idx = torch.tensor(keep, device=device)
+                    cache.batch_select_indices(idx)
+                    mask, positions, logits = mask[idx], positions[idx], logits[idx]
+                    slots = [slots[r] for r in keep]
     bar.close()
     feats = [{k: torch.cat(h[k]) for k in layers} for h in hidden] if layers else None
     return tokens, feats
