@@ -167,7 +167,8 @@ def our_runner(model, head, setting, stops, max_new_tokens, alphas=None, costs=N
             if setting.get("adaptive"):
                 steps = head.max_draft_steps or len(alphas)
                 candidates = auto.candidates(head.family, head.max_draft_steps, alphas, setting.get("tree"))
-                adaptive = Adaptive(alphas[:steps], costs["r"], costs["c"], settings=candidates)
+                adaptive = Adaptive(alphas[:steps], costs["r"], costs["c"], settings=candidates,
+                                    pass_s=costs["target_pass_1_s"])
             decoders[temperature] = Decoder(model, head, Sampling(temperature), gamma=setting.get("gamma", 0),
                                             tree=tree, adaptive=adaptive)
         dec = decoders[temperature]

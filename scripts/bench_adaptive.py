@@ -73,7 +73,7 @@ def decoder(model, head, setting, read, costs, T) -> Decoder:
     if setting.get("adaptive"):
         prior = read["alpha"][: head.max_draft_steps] if head.max_draft_steps else read["alpha"]
         candidates = auto.candidates(head.family, head.max_draft_steps, read["alpha"], setting.get("tree"))
-        adaptive = Adaptive(prior, costs["r"], costs["c"], settings=candidates)
+        adaptive = Adaptive(prior, costs["r"], costs["c"], settings=candidates, pass_s=costs["target_pass_1_s"])
     tree = None if adaptive else build_tree(setting, model.device)
     return Decoder(model, head, Sampling(T), gamma=setting.get("gamma", 0), tree=tree, adaptive=adaptive)
 

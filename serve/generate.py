@@ -275,10 +275,13 @@ def generate(dec: Decoder, prompt: torch.Tensor, max_new_tokens: int, stop_ids=(
     out = [prefill(dec, prompt, max_new_tokens)]
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
         if dec.adaptive is not None:
+            started = time.perf_counter()
             choose_setting(dec)
         drafted = draft(dec)
         verdict, hidden = verify(dec, drafted)
         out += accept(dec, verdict, hidden)
+        if dec.adaptive is not None:
+            dec.adaptive.observe_time(dec.trace[-1], time.perf_counter() - started)
     if dec.model.device.type == "cuda":
         torch.cuda.synchronize()
     out = out[:max_new_tokens]

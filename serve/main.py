@@ -215,7 +215,9 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     adaptive = None
     if setting.get("adaptive"):
-        adaptive = Adaptive(choice["prior"], choice["costs"]["r"], choice["costs"]["c"], settings=choice["settings"])
+        costs = choice["costs"]
+        adaptive = Adaptive(choice["prior"], costs["r"], costs["c"], settings=choice["settings"],
+                            pass_s=costs["target_pass_1_s"])
     run_head = None if setting.get("gamma") == 0 and not adaptive else head  # plain decoding needs no commits
     tree = None if adaptive else make_tree(setting, device)  # adaptive builds its own candidates' trees
     try:

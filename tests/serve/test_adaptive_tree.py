@@ -11,7 +11,7 @@ import torch
 
 from serve import auto
 from serve import generate as generate_module
-from serve.adaptive import Adaptive
+from serve.adaptive import Adaptive, kind
 from serve.generate import Decoder, Sampling, generate
 from tests.serve.conftest import OracleHead, assert_same_greedy, hf_greedy, perturbed_head, runner_model
 from tests.serve.test_adaptive import pit_pvalue
@@ -37,8 +37,7 @@ def flip_prone(family) -> Adaptive:
 
 def kinds(dec) -> Counter:
     """Rounds per kind of setting in the decoder's last request: plain, chain, tree."""
-    return Counter("tree" if "tree" in s else "chain" if s["gamma"] else "plain"
-                   for s in (dec.adaptive.settings[i] for i in dec.trace))
+    return Counter(kind(dec.adaptive.settings[i]) for i in dec.trace)
 
 
 def test_tree_rounds_count_sibling_trials():
@@ -53,6 +52,21 @@ def test_tree_rounds_count_sibling_trials():
     for _ in range(30):  # nothing kept for a while: plain decoding beats every tree and chain
         ad.observe_tree(parents, [0])
     assert ad.speedups()[0] == max(ad.speedups()) and ad.choose() == 0
+
+
+def test_round_times_correct_the_cost_model():
+    """Drafted rounds that take 5 plain rounds where the model says 1.9: speculation goes off, for chains; trees,
+    not yet timed, are still scored by the model alone, so the next probe tries one."""
+    ad = Adaptive([0.9, 0.9, 0.9], R, 0.1, pass_s=0.01, settings=DYNAMIC)
+    assert ad.settings[ad.choose()].get("tree")  # the model alone: cheap width, good α
+    for _ in range(20):
+        ad.observe_time(0, 0.01)
+        ad.observe_time(2, 0.05)  # γ = 2: model cost r(3) + 2c = 1.26
+    assert ad.overhead["chain"] == pytest.approx(5 - 1.26, rel=0.05)
+    assert max(ad.speedups()[1:3]) < 1.0 < max(ad.speedups()[3:])
+    for _ in range(20):  # and trees turn out as slow
+        ad.observe_time(3, 0.2)
+    assert ad.choose() == 0
 
 
 @pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
