@@ -1,5 +1,5 @@
 """Side-by-side decoding speed on one target: HF generate, HF prompt lookup, HF assistant early exit, this runner
-vanilla, and this runner with each head (chain, tree where the family has one, and adaptive γ), at greedy and T=1.
+vanilla, and this runner with each head (chain, tree where the family has one, adaptive γ and adaptive trees), at greedy and T=1.
 
     python scripts/bench.py --heads runs/eagle3 runs/eagle runs/medusa runs/mtp --out bench_out
     python scripts/bench.py --quick --target tiny-random --out /tmp/bench   # smoke test: untrained heads, seconds
@@ -101,7 +101,7 @@ def alphas_for(h, temperature):
     if h["dir"] is None:
         return None
     try:
-        return auto.read_alphas(auto.find_acceptance(h["dir"]), temperature)[0]
+        return auto.read_acceptance(auto.find_acceptance(h["dir"]), temperature)["alpha"]  # chain figures if any
     except (FileNotFoundError, ValueError):
         return None
 
@@ -126,17 +126,7 @@ def settings_for(h, alphas, costs) -> list[dict]:
     out = [best([s for s in rows if s.get("gamma")])]  # γ = 0 is the vanilla row
     if tree:
         out.append(best([s for s in rows if "tree" in s]))
-    return out + [{"adaptive": True}]
-
-
-def describe(s: dict) -> str:
-    if s.get("adaptive"):
-        return "adaptive γ"
-    if "gamma" in s:
-        return f"chain γ={s['gamma']}"
-    if s["tree"] == "static":
-        return f"static tree {s['tree_total_tokens']} nodes, depth {s['tree_depth']}"
-    return f"dynamic tree {s['tree_total_tokens']} nodes, depth {s['tree_depth']}, top-{s['tree_top_k']}"
+    return out + [{"adaptive": True}] + ([{"adaptive": True, "tree": tree}] if tree else [])
 
 
 def predicted(s, rates, costs) -> dict:
@@ -168,7 +158,7 @@ def hf_runner(target, kind, args, stops):
 
 
 def our_runner(model, head, setting, stops, max_new_tokens, alphas=None, costs=None):
-    tree = make_tree(setting, model.device) if "tree" in setting else None
+    tree = make_tree(setting, model.device) if "tree" in setting and not setting.get("adaptive") else None
     decoders = {}
 
     def run(prompt, temperature, seed):
@@ -176,7 +166,9 @@ def our_runner(model, head, setting, stops, max_new_tokens, alphas=None, costs=N
             adaptive = None
             if setting.get("adaptive"):
                 steps = head.max_draft_steps or len(alphas)
-                adaptive = Adaptive(alphas[:steps], costs["r"], costs["c"])
+                candidates = auto.candidates(head.family, head.max_draft_steps, alphas, setting.get("tree"))
+                adaptive = Adaptive(alphas[:steps], costs["r"], costs["c"], settings=candidates,
+                                    pass_s=costs["target_pass_1_s"])
             decoders[temperature] = Decoder(model, head, Sampling(temperature), gamma=setting.get("gamma", 0),
                                             tree=tree, adaptive=adaptive)
         dec = decoders[temperature]
@@ -218,7 +210,7 @@ def main():
         for h in heads:
             alphas = alphas_for(h, T)
             for s in settings_for(h, alphas, h["costs"]):
-                name = f"{h['label']}: {describe(s)}"
+                name = f"{h['label']}: {auto.describe(s)}"
                 methods[name] = {"run": our_runner(model, h["head"], s, stops, args.max_new_tokens, alphas,
                                                    h["costs"]), "setting": s, "head": h, "alphas": alphas}
         for m in methods.values():
@@ -256,7 +248,7 @@ def summarise(methods) -> list[dict]:
                "x_hf_generate": tps[name] / tps["hf_generate"], "x_vanilla": tps[name] / tps["vanilla"]}
         if m.get("setting", {}).get("adaptive"):
             summary = m["stats"].summary()
-            row.update(setting={"adaptive": True}, tau_measured=summary["tau_measured"],
+            row.update(setting=m["setting"], tau_measured=summary["tau_measured"],
                        rounds_per_gamma=summary["rounds_per_draft_depth"])
         elif "setting" in m:
             s, summary = m["setting"], m["stats"].summary()

@@ -1,11 +1,26 @@
-"""Adaptive γ: re-choose the chain length every round from the acceptance this request actually sees.
+"""Adaptive drafting: re-choose the chain length or tree size every round from the acceptance this request sees.
 
 gamma=auto picks one γ from training-time α. Acceptance varies by text (code and lists are easy, open prose is
 hard), so ``Adaptive`` keeps a running acceptance estimate per draft position for the request, starting from the
-training α as a prior worth ``prior_weight`` rounds and forgetting old rounds at ``decay`` per round, and picks the
+training α as a prior worth ``prior_weight`` rounds, forgetting old rounds (the prior too) at ``decay`` per round
+so a prior far from this text's acceptance fades instead of holding a floor under the estimate, and picks the
 γ (0 included) with the best predicted speedup E[γ] / (r(γ + 1) + γ·c) (serve/auto.py's cost model, the same
 measured r(n) and c). When plain decoding (γ = 0) wins, speculation is off; every ``probe_every`` plain rounds one
 round drafts anyway, so a head that starts paying again (the text became easier) is noticed.
+
+With ``settings`` the candidates are any of serve/auto.py's (chains, Medusa static-tree cuts, EAGLE-2 dynamic
+trees of several depths and sizes; ``settings[0]`` is plain decoding) and each is scored by auto.predict from the
+running estimate. A tree round observes, per depth it reached, one trial per sibling tried (in index order, the
+order verify tries them) and whether one was kept: hits ÷ trials is the per-sibling rate α_d of the positional
+model tree.rank_accept uses, and for a one-child level it is the chain's 0/1 outcome.
+
+The cost model (r(n), c) times the target pass and the draft step alone; the rest of a drafted round (drafting
+loop, verify, commits, a dynamic tree's host sync) is Python and small kernels, which on a small target can cost
+more than the pass itself. With ``pass_s`` (one target pass in seconds) every round's wall time is observed:
+plain rounds give the time of one plain round, drafted rounds their excess over the model's cost in those units,
+kept per kind (chain, tree) and added to that kind's cost. The costs belong to the machine, so they persist across
+requests. On a GPU a round's time is its host time up to the verdict's sync, plus whatever the previous round
+left queued.
 
 Exactness does not depend on any of this: each round's verification is exact for whatever γ it was given, and γ
 is chosen only from rounds already finished.
@@ -17,8 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from heads.losses import tau_predicted
-from serve.auto import interpolate
+from serve.auto import predict
 
 
 @dataclass
@@ -29,42 +43,67 @@ class Adaptive:
     prior_weight: float = 4.0  # rounds the training α is worth: a few bad rounds can overrule it
     decay: float = 0.9  # per observed round: the estimate follows the last ~10 rounds of this text
     probe_every: int = 16  # plain rounds between probes while speculation is off
+    settings: list[dict] | None = None  # candidates, settings[0] = {"gamma": 0}; None: chains γ = 0..len(prior)
+    pass_s: float | None = None  # one target pass (measure_costs' target_pass_1_s); None: no online cost correction
     sums: list[float] = field(default_factory=list)
     counts: list[float] = field(default_factory=list)
     plain_rounds: int = 0
+    weights: list[float] = field(default_factory=list)  # the prior's weight per position, fading as it is observed
+    overhead: dict[str, float] = field(default_factory=dict)  # per kind: a drafted round's excess cost, measured
 
     def __post_init__(self):
         if not self.prior:
             raise ValueError("adaptive γ needs a prior α per draft position (acceptance.json)")
+        if self.settings is None:
+            self.settings = [{"gamma": g} for g in range(len(self.prior) + 1)]
+        if self.settings[0] != {"gamma": 0}:
+            raise ValueError("adaptive settings must start with plain decoding, {'gamma': 0}")
+        self.costs = [predict(s, [1.0] * self.positions, self.r, self.c)["cost"] for s in self.settings]  # α-free
+        self.round_s = self.pass_s
         self.reset()
 
     @property
-    def max_gamma(self) -> int:
-        return len(self.prior)
+    def positions(self) -> int:
+        """Positions the estimate keeps: the prior's, or the deepest candidate's when deeper."""
+        return max(len(self.prior), *(s.get("gamma") or s.get("tree_depth", 0) for s in self.settings))
 
     def reset(self) -> None:
         """A new request: back to the prior."""
-        self.sums = [0.0] * self.max_gamma
-        self.counts = [0.0] * self.max_gamma
+        self.sums = [0.0] * self.positions
+        self.counts = [0.0] * self.positions
+        self.weights = [self.prior_weight] * self.positions
         self.plain_rounds = 0
+        self._scores = None
 
     def estimate(self) -> list[float]:
         """Running α per position. A position's prior is the training α scaled by how the position before it
         fares against its own training α: positions past the current γ are never observed, and without this a
         head doing better than in training would never be tried deeper."""
         out, scale = [], 1.0
-        for s, n, a in zip(self.sums, self.counts, self.prior):
+        prior = self.prior + self.prior[-1:] * (self.positions - len(self.prior))  # α_K stands in deeper
+        for s, n, w, a in zip(self.sums, self.counts, self.weights, prior):
             base = min(1.0, a * scale)
-            out.append((s + self.prior_weight * base) / (n + self.prior_weight))
+            out.append((s + w * base) / (n + w) if n + w > 0 else base)
             scale = out[-1] / a if a > 0 else scale  # this position's running α ÷ its training α
         return out
 
     def speedups(self) -> list[float]:
-        """Predicted speedup over plain decoding for γ = 0 .. max_gamma."""
-        tau = tau_predicted(self.estimate())
-        return [1.0] + [tau[g] / (interpolate(self.r, g + 1) + g * self.c) for g in range(1, self.max_gamma + 1)]
+        """Predicted speedup over plain decoding of each setting (chains: index = γ). Kept until a drafted round
+        changes the estimate or the costs: while speculation is off, a plain round costs no re-scoring."""
+        if self._scores is None:
+            self._scores = self._score()
+        return self._scores
+
+    def _score(self) -> list[float]:
+        alphas = self.estimate()
+        out = [1.0]
+        for s, cost in zip(self.settings[1:], self.costs[1:]):
+            cost += self.overhead.get(kind(s), 0.0)
+            out.append(predict(s, alphas, self.r, self.c)["tau_predicted"] / max(cost, 1e-3))
+        return out
 
     def choose(self) -> int:
+        """The index in ``settings`` of this round's setting (for the default chains, γ itself)."""
         pred = self.speedups()
         best = max(range(len(pred)), key=pred.__getitem__)  # ties keep 0: speculation must predict a gain
         if best > 0:
@@ -79,5 +118,39 @@ class Adaptive:
     def observe(self, gamma: int, alpha: list[float]) -> None:
         """alpha: Σ min(p, q) at the positions this round reached (the first n_accepted + 1, at most γ)."""
         for i, a in enumerate(alpha[:gamma]):
-            self.sums[i] = self.decay * self.sums[i] + a
-            self.counts[i] = self.decay * self.counts[i] + 1.0
+            self._add(i, a, 1.0)
+
+    def observe_tree(self, parents: list[int], path: list[int]) -> None:
+        """A tree round: ``parents`` of its nodes, ``path`` the kept nodes from the root (path[0] = 0)."""
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents[1:], start=1):
+            children.setdefault(p, []).append(i)
+        for d, node in enumerate(path[: self.positions]):
+            kids = children.get(node)
+            if not kids:
+                break
+            kept = d + 1 < len(path)
+            trials = kids.index(path[d + 1]) + 1 if kept else len(kids)
+            self._add(d, kept, trials)
+
+    def _add(self, i: int, hits: float, trials: float) -> None:
+        self.sums[i] = self.decay * self.sums[i] + hits
+        self.counts[i] = self.decay * self.counts[i] + trials
+        self.weights[i] *= self.decay
+        self._scores = None
+
+    def observe_time(self, index: int, seconds: float) -> None:
+        """The wall time of a finished round that used ``settings[index]``."""
+        if self.round_s is None:
+            return
+        if index == 0:
+            self.round_s = self.decay * self.round_s + (1 - self.decay) * seconds
+            return
+        excess = seconds / self.round_s - self.costs[index]
+        k = kind(self.settings[index])
+        self._scores = None
+        self.overhead[k] = excess if k not in self.overhead else self.decay * self.overhead[k] + (1 - self.decay) * excess
+
+
+def kind(setting: dict) -> str:
+    return "tree" if "tree" in setting else "chain" if setting.get("gamma") else "plain"

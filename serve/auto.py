@@ -9,7 +9,11 @@ unit); it yields E tokens on average. Predicted speedup over vanilla decoding = 
   Medusa: its D heads), E from serve/tree.py's positional-acceptance model (an approximation: it treats each
   rejected sibling as leaving the next the same chance α_d).
 α comes from ``acceptance.json`` (train/ writes it beside DIR/head), at the serving temperature when recorded.
-Everything the choice used is returned, and the CLI writes it into bench.json.
+When the record has the chain figures (``alpha_chain``: P(step k kept | steps < k kept), and ``tau_predicted``:
+τ from walking the chain over the held-out text) a chain's τ is the walk's and trees use alpha_chain per depth;
+older records only have mean α per position, whose product overestimates τ (hard contexts reject every step
+together). ``read_acceptance`` says which it used. Everything the choice used is returned, and the CLI writes it
+into bench.json.
 """
 from __future__ import annotations
 
@@ -48,6 +52,32 @@ def read_alphas(path: Path, temperature: float) -> tuple[list[float], float]:
         raise ValueError(f"{path} has no 'alpha' per draft position; is it a draftheads acceptance.json?")
     t = min(by_t, key=lambda x: abs(x - temperature))
     return [float(a) for a in by_t[t]], t
+
+
+CHAIN_WALK = "chain walk (alpha_chain, tau_predicted)"
+PRODUCT = "product of mean α per position"
+
+
+def _at_temperature(by_t: dict | None, t: float):
+    """A by-temperature record's entry at exactly t (the temperature read_alphas chose), else None."""
+    return {float(k): v for k, v in (by_t or {}).items()}.get(t)
+
+
+def read_acceptance(path: Path, temperature: float) -> dict:
+    """-> {"alpha": the per-position rates predictions use, "tau_chain": {γ: τ} or None, "temperature",
+    "source": CHAIN_WALK or PRODUCT, "alpha_mean": mean α per position}. The chain figures are used when the
+    record has them at the chosen temperature."""
+    record = json.loads(Path(path).read_text())
+    alphas, t = read_alphas(path, temperature)
+    chain = _at_temperature(record.get("alpha_chain_by_temperature"), t)
+    walk = _at_temperature(record.get("tau_predicted_by_temperature"), t)
+    if chain is None and "alpha_chain" in record and float(record.get("temperature", t)) == t:
+        chain, walk = record["alpha_chain"], record.get("tau_predicted")
+    if not chain:
+        return {"alpha": alphas, "tau_chain": None, "temperature": t, "source": PRODUCT, "alpha_mean": alphas}
+    tau = {int(g): float(v) for g, v in walk.items()} if isinstance(walk, dict) else None
+    return {"alpha": [float(a) for a in chain], "tau_chain": tau, "temperature": t, "source": CHAIN_WALK,
+            "alpha_mean": alphas}
 
 
 def _seconds(fn, reps: int) -> float:
@@ -110,12 +140,13 @@ def candidates(family: str, max_steps: int | None, alphas: list[float], tree: st
     return out
 
 
-def predict(setting: dict, alphas: list[float], r: dict, c: float) -> dict:
+def predict(setting: dict, alphas: list[float], r: dict, c: float, tau_chain: dict | None = None) -> dict:
+    """tau_chain: the recorded chain-walk τ per γ, used for chains where it has that γ."""
     if setting.get("gamma") == 0:
         return {"tau_predicted": 1.0, "r": 1.0, "cost": 1.0, "speedup_predicted": 1.0}
     if "gamma" in setting:
         n, calls = setting["gamma"] + 1, setting["gamma"]
-        tau = tau_predicted(alphas[: setting["gamma"]])[setting["gamma"]]
+        tau = (tau_chain or {}).get(n - 1) or tau_predicted(alphas[: setting["gamma"]])[setting["gamma"]]
     elif setting["tree"] == "static":
         n, calls = setting["tree_total_tokens"] + 1, setting["tree_depth"]
         tau = expected_tau_paths(alphas, setting["tree_paths"])
@@ -140,16 +171,28 @@ def interpolate(r: dict, n: int) -> float:
     return r[lo] + (r[hi] - r[lo]) * (n - lo) / (hi - lo)
 
 
-def choose(family: str, max_steps: int | None, alphas: list[float], costs: dict, tree: str | None) -> dict:
+def choose(family: str, max_steps: int | None, alphas: list[float], costs: dict, tree: str | None,
+           tau_chain: dict | None = None) -> dict:
     """-> {"choice": best setting, "predicted": ..., "table": every candidate with its prediction}."""
     table = []
     for s in candidates(family, max_steps, alphas, tree):
         row = {k: v for k, v in s.items() if k != "tree_paths"}
-        table.append({**row, **predict(s, alphas, costs["r"], costs["c"])})
+        table.append({**row, **predict(s, alphas, costs["r"], costs["c"], tau_chain)})
     # max keeps the first of equals: speculation must predict more than plain decoding (candidate 0) to win
     best = max(range(len(table)), key=lambda i: table[i]["speedup_predicted"])
     choice = candidates(family, max_steps, alphas, tree)[best]
     return {"choice": choice, "predicted": table[best], "table": table}
+
+
+def describe(s: dict) -> str:
+    """A setting in a few words (logs, bench tables)."""
+    if s.get("adaptive"):
+        return f"adaptive {s['tree']} tree" if s.get("tree") else "adaptive γ"
+    if "gamma" in s:
+        return f"chain γ={s['gamma']}" if s["gamma"] else "plain"
+    if s["tree"] == "static":
+        return f"static tree {s['tree_total_tokens']} nodes, depth {s['tree_depth']}"
+    return f"dynamic tree {s['tree_total_tokens']} nodes, depth {s['tree_depth']}, top-{s['tree_top_k']}"
 
 
 def sizes_for(max_steps: int | None, alphas: list[float], tree: str | None) -> list[int]:

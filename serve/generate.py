@@ -15,9 +15,9 @@ accepted path's cache rows are gathered into consecutive slots. p and q always g
 temperature / top-k / top-p (heads.sampling). Host syncs per round: one (the verdict), plus one for a dynamic
 tree's shape.
 
-With ``adaptive`` (serve/adaptive.py) γ is re-chosen before every round from the acceptance seen so far; a round
-with γ = 0 is plain decoding and skips the head entirely: its target features wait in a backlog that the head
-commits in one call when speculation resumes.
+With ``adaptive`` (serve/adaptive.py) the round's setting (chain γ, or a tree among the adaptive's candidates) is
+re-chosen before every round from the acceptance seen so far; a round with γ = 0 is plain decoding and skips the
+head entirely: its target features wait in a backlog that the head commits in one call when speculation resumes.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from heads.sampling import probs_from_logits
 from serve.adaptive import Adaptive
-from serve.tree import DynamicTree, StaticTree, TreeDraft
+from serve.tree import DynamicTree, StaticTree, TreeDraft, build_tree
 from serve.verify import sample, verify_chain_batched, verify_tree_batched
 
 
@@ -108,7 +108,7 @@ class Decoder:
     gamma: int = 0  # chain drafts per round (0: vanilla)
     tree: StaticTree | DynamicTree | None = None
     seed: int = 0
-    adaptive: Adaptive | None = None  # re-choose γ every round (chain only); gamma is then its latest choice
+    adaptive: Adaptive | None = None  # re-choose the setting every round; gamma and tree are then its latest choice
     # per-sequence state, set by prefill
     length: int = 0  # target cache rows that hold accepted tokens
     next_token: torch.Tensor | None = None  # [1] the last emitted token, not yet in the target cache
@@ -117,29 +117,40 @@ class Decoder:
     head_state: object = None
     round_alpha: list[float] = field(default_factory=list)  # Σ min(p, q) per drafted position, this round
     backlog: list = field(default_factory=list)  # (hidden, tokens, start) of plain rounds the head has not seen
+    round_tree: tuple = ()  # (parents, kept path) of this round's tree, for adaptive's observation
+    trace: list[int] = field(default_factory=list)  # adaptive: index of each round's setting, this request
     stats: Stats = field(default_factory=Stats)
 
     def __post_init__(self):
         self.generator = torch.Generator(self.model.device).manual_seed(self.seed)
         self.layers = tuple(self.head.feature_layers) if self.head is not None else ()
-        if self.head is None and (self.gamma or self.tree):
-            raise ValueError("gamma > 0 or a tree needs a draft head (head_path=...)")
-        if isinstance(self.tree, DynamicTree) and not hasattr(self.head, "step_tree"):
-            raise ValueError(f"a dynamic tree needs a head with step_tree (eagle, eagle3), not {self.head.family}")
-        if isinstance(self.tree, StaticTree) and self.head.family != "medusa":
-            raise ValueError(f"static trees draft each depth independently (Medusa); not for {self.head.family}")
-        if self.adaptive is not None and (self.head is None or self.tree is not None):
-            raise ValueError("adaptive γ needs a draft head and chain drafting (no tree)")
+        if self.head is None and (self.gamma or self.tree or self.adaptive):
+            raise ValueError("gamma > 0, a tree or adaptive drafting needs a draft head (head_path=...)")
+        if self.adaptive is not None and self.tree is not None:
+            raise ValueError("adaptive drafting picks its own chain or tree each round: pass tree=None")
+        settings = self.adaptive.settings if self.adaptive is not None else [{"gamma": self.gamma}]
+        # one tree object per adaptive setting (None for chains), built once: static trees hold device tensors
+        self.trees = [build_tree(s, self.model.device) for s in settings] if self.adaptive else [self.tree]
+        for tree in self.trees:
+            if isinstance(tree, DynamicTree) and not hasattr(self.head, "step_tree"):
+                raise ValueError(f"a dynamic tree needs a head with step_tree (eagle, eagle3), not {self.head.family}")
+            if isinstance(tree, StaticTree) and self.head.family != "medusa":
+                raise ValueError(f"static trees draft each depth independently (Medusa); not for {self.head.family}")
         steps = self.head.max_draft_steps if self.head is not None else None
-        top = self.adaptive.max_gamma if self.adaptive is not None else self.gamma
+        top = max([s.get("gamma", 0) for s in settings] + [t.depth for t in self.trees if isinstance(t, StaticTree)])
         if steps is not None and top > steps:
             raise ValueError(f"gamma={top} exceeds the {self.head.family} head's {steps} draft steps")
 
     @property
     def draft_width(self) -> int:
         """Slots past the sequence a round may write (target and head caches)."""
-        top = self.adaptive.max_gamma if self.adaptive is not None else self.gamma
-        return max(top, self.tree.size if self.tree else 0) + 1
+        settings = self.adaptive.settings if self.adaptive is not None else [{"gamma": self.gamma}]
+        return max([s.get("gamma", 0) for s in settings] + [t.size for t in self.trees if t is not None]) + 1
+
+    @property
+    def scratch(self) -> int:
+        """Head cache rows a dynamic tree's expansion writes past the committed prefix."""
+        return max([t.scratch for t in self.trees if isinstance(t, DynamicTree)], default=0)
 
 
 # -- phases ----------------------------------------------------------------------------------------------------
@@ -154,8 +165,7 @@ def prefill(dec: Decoder, prompt: torch.Tensor, max_new_tokens: int) -> int:
     dec.length, dec.next_token = P, first
     dec.stats.prefills += 1
     if dec.head is not None:
-        scratch = dec.tree.scratch if isinstance(dec.tree, DynamicTree) else 0
-        dec.head_cache = dec.head.new_cache(width + scratch, dec.model.device, dec.model.dtype)
+        dec.head_cache = dec.head.new_cache(width + dec.scratch, dec.model.device, dec.model.dtype)
         next_tokens = torch.cat([prompt[1:], first])[None]  # [1, P]: the token after each prompt position
         dec.head_logits, dec.head_state = dec.head.commit(dec.head_cache, hidden, next_tokens, 0)
     return int(first)
@@ -197,6 +207,7 @@ def verify(dec: Decoder, drafted):
         flat = torch.cat([n, final, path[0], tokens[path[0].clamp_min(0)]]).tolist()  # the round's host sync
         n, final, D = flat[0], flat[1], path.shape[1]
         nodes, node_tokens = flat[2 : 2 + n + 1], flat[2 + D + 1 : 2 + D + 1 + n]
+        dec.round_alpha, dec.round_tree = [], (drafted.parents, nodes)
         return (nodes, node_tokens + [final]), hidden
     draft_tokens, draft_probs = drafted
     tokens = torch.cat([dec.next_token, draft_tokens])  # [γ+1]
@@ -228,22 +239,26 @@ def accept(dec: Decoder, verdict, hidden) -> list[int]:
         hidden = {k: h[:, :n] for k, h in hidden.items()}
     depth = dec.tree.depth if dec.tree is not None else dec.gamma
     dec.stats.add_round(n - 1, depth, dec.round_alpha if path is None else ())
-    if dec.adaptive is not None:
+    if dec.adaptive is not None and path is None:
         dec.adaptive.observe(dec.gamma, dec.round_alpha[:n])  # the reached positions: accepted + 1
+    elif dec.adaptive is not None:
+        dec.adaptive.observe_tree(*dec.round_tree)
     tokens = torch.tensor(emitted, device=dec.model.device)
     dec.length, dec.next_token = start + n, tokens[-1:]
     if dec.head is not None:
-        if dec.adaptive is not None and dec.gamma == 0:
+        if dec.adaptive is not None and dec.gamma == 0 and dec.tree is None:
             dec.backlog.append((hidden, tokens[None], start))
         else:
             dec.head_logits, dec.head_state = dec.head.commit(dec.head_cache, hidden, tokens[None], start)
     return emitted
 
 
-def choose_gamma(dec: Decoder) -> None:
-    """Adaptive: this round's γ; when it drafts, first commit the plain rounds' features the head missed."""
-    dec.gamma = dec.adaptive.choose()
-    if dec.gamma and dec.backlog:
+def choose_setting(dec: Decoder) -> None:
+    """Adaptive: this round's γ or tree; when it drafts, first commit the plain rounds' features the head missed."""
+    index = dec.adaptive.choose()
+    dec.trace.append(index)
+    dec.gamma, dec.tree = dec.adaptive.settings[index].get("gamma", 0), dec.trees[index]
+    if (dec.gamma or dec.tree) and dec.backlog:
         hidden = {k: torch.cat([h[k] for h, _, _ in dec.backlog], dim=1) for k in dec.backlog[0][0]}
         tokens = torch.cat([t for _, t, _ in dec.backlog], dim=1)  # [1, n]
         dec.head_logits, dec.head_state = dec.head.commit(dec.head_cache, hidden, tokens, dec.backlog[0][2])
@@ -253,17 +268,20 @@ def choose_gamma(dec: Decoder) -> None:
 @torch.no_grad()
 def generate(dec: Decoder, prompt: torch.Tensor, max_new_tokens: int, stop_ids=()) -> tuple[list[int], Stats]:
     """Decode up to max_new_tokens after prompt [P] (stopping after a stop id). Returns (tokens, this call's stats)."""
-    dec.stats, dec.backlog = Stats(), []
+    dec.stats, dec.backlog, dec.trace = Stats(), [], []
     if dec.adaptive is not None:
         dec.adaptive.reset()
     t0 = time.perf_counter()
     out = [prefill(dec, prompt, max_new_tokens)]
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
         if dec.adaptive is not None:
-            choose_gamma(dec)
+            started = time.perf_counter()
+            choose_setting(dec)
         drafted = draft(dec)
         verdict, hidden = verify(dec, drafted)
         out += accept(dec, verdict, hidden)
+        if dec.adaptive is not None:
+            dec.adaptive.observe_time(dec.trace[-1], time.perf_counter() - started)
     if dec.model.device.type == "cuda":
         torch.cuda.synchronize()
     out = out[:max_new_tokens]

@@ -7,7 +7,8 @@ No head_path: vanilla decoding through the same loop. Writes OUT/generations.jso
 question_id, prompt_ids, token_ids, text) and OUT/bench.json (tokens/s, τ measured, acceptance per position,
 target passes, the settings, and with gamma=auto the choice and the α/cost inputs it came from). gamma=auto may
 choose γ = 0 (plain decoding, the head unused) when no setting predicts a speedup; gamma=adaptive re-chooses γ
-every round from the acceptance the request sees (serve/adaptive.py). ``serve(cfg)``
+(with tree=static|dynamic: the tree among auto's candidates, chains and plain decoding included) every round from
+the acceptance the request sees (serve/adaptive.py). ``serve(cfg)``
 is a plain function; ``main`` turns bad input into one line on stderr.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from serve import auto
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.model import Transformer
-from serve.tree import MEDUSA_TREE, DynamicTree, StaticTree
+from serve.tree import MEDUSA_TREE, build_tree
 
 log = logging.getLogger("serve")
 OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), replace=True)
@@ -152,21 +153,23 @@ def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
         except (TypeError, ValueError) as e:
             raise UserError(f"gamma={cfg.gamma}: an integer, auto or adaptive") from e
         return {"gamma": gamma}, None
-    if cfg.gamma == "adaptive" and cfg.tree:
-        raise UserError("gamma=adaptive re-chooses a chain's γ each round; drop tree= (or use gamma=auto)")
     try:
         acc = auto.find_acceptance(head_dir, cfg.acceptance_path)
-        alphas, alpha_t = auto.read_alphas(acc, cfg.temperature)
+        read = auto.read_acceptance(acc, cfg.temperature)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from e
-    if cfg.gamma == "adaptive":
-        alphas = alphas[: head.max_draft_steps] if head.max_draft_steps is not None else alphas
-        costs = auto.measure_costs(model, head, range(1, len(alphas) + 2))
-        return {"adaptive": True}, {"acceptance_json": str(acc), "alpha": alphas, "alpha_temperature": alpha_t,
-                                    "costs": costs}
+    alphas = read["alpha"]
+    log.info("gamma=%s: τ predicted from the %s in %s (T=%s)", cfg.gamma, read["source"], acc, read["temperature"])
     costs = auto.measure_costs(model, head, auto.sizes_for(head.max_draft_steps, alphas, cfg.tree))
-    record = auto.choose(head.family, head.max_draft_steps, alphas, costs, cfg.tree)
-    record.update({"acceptance_json": str(acc), "alpha": alphas, "alpha_temperature": alpha_t, "costs": costs})
+    inputs = {"acceptance_json": str(acc), "alpha": alphas, "alpha_temperature": read["temperature"],
+              "alpha_source": read["source"], "tau_chain": read["tau_chain"], "costs": costs}
+    if cfg.gamma == "adaptive":
+        settings = auto.candidates(head.family, head.max_draft_steps, alphas, cfg.tree)
+        prior = alphas[: head.max_draft_steps] if head.max_draft_steps is not None else alphas
+        return {"adaptive": True, **({"tree": cfg.tree} if cfg.tree else {})}, {**inputs, "settings": settings,
+                                                                               "prior": prior}
+    record = auto.choose(head.family, head.max_draft_steps, alphas, costs, cfg.tree, read["tau_chain"])
+    record.update(inputs)
     log.info("gamma=auto chose %s (predicted speedup %.2fx from α=%s, c=%.3f)",
              {k: v for k, v in record["choice"].items() if k != "tree_paths"},
              record["predicted"]["speedup_predicted"], [round(a, 3) for a in alphas], costs["c"])
@@ -177,14 +180,10 @@ def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
 
 
 def make_tree(setting: dict, device):
-    if setting.get("tree") == "static":
-        return StaticTree(setting["tree_paths"], device)
-    if setting.get("tree") == "dynamic":
-        try:
-            return DynamicTree(setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"])
-        except ValueError as e:
-            raise UserError(str(e)) from e
-    return None
+    try:
+        return build_tree(setting, device)
+    except ValueError as e:
+        raise UserError(str(e)) from e
 
 
 def stop_ids(tokenizer, model_config) -> set[int]:
@@ -216,24 +215,29 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     adaptive = None
     if setting.get("adaptive"):
-        adaptive = Adaptive(choice["alpha"], choice["costs"]["r"], choice["costs"]["c"])
+        costs = choice["costs"]
+        adaptive = Adaptive(choice["prior"], costs["r"], costs["c"], settings=choice["settings"],
+                            pass_s=costs["target_pass_1_s"])
     run_head = None if setting.get("gamma") == 0 and not adaptive else head  # plain decoding needs no commits
+    tree = None if adaptive else make_tree(setting, device)  # adaptive builds its own candidates' trees
     try:
-        dec = Decoder(model, run_head, sampling, gamma=setting.get("gamma", 0), tree=make_tree(setting, device),
-                      seed=cfg.seed, adaptive=adaptive)
+        dec = Decoder(model, run_head, sampling, gamma=setting.get("gamma", 0), tree=tree, seed=cfg.seed,
+                      adaptive=adaptive)
     except ValueError as e:
         raise UserError(str(e)) from e
     stops = stop_ids(target.tokenizer, target.model.config) if cfg.stop_at_eos else set()
 
     from tqdm import tqdm
 
-    total = Stats()
+    total, rounds = Stats(), defaultdict(int)  # rounds per adaptive setting
     with open(out / "generations.jsonl", "w") as f:
         for i, p in enumerate(tqdm(prompts, desc="prompts", disable=not cfg.progress)):
             dec.generator.manual_seed(cfg.seed + i)
             prompt = torch.tensor(p["prompt_ids"], device=device)
             tokens, stats = generate(dec, prompt, cfg.max_new_tokens, stops)
             total.merge(stats)
+            for index in dec.trace:
+                rounds[index] += 1
             f.write(json.dumps({"question_id": p["question_id"], "category": p["category"],
                                 "prompt_ids": p["prompt_ids"], "token_ids": tokens,
                                 "text": target.tokenizer.decode(tokens, skip_special_tokens=True)}) + "\n")
@@ -253,6 +257,8 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     (out / "bench.json").write_text(json.dumps(bench, indent=2))
+    if adaptive is not None:
+        bench["adaptive_rounds"] = {auto.describe(adaptive.settings[i]): n for i, n in sorted(rounds.items())}
     log.info("%d prompts, %d tokens, %.1f tokens/s, tau %.2f, %d target passes -> %s", len(prompts),
              bench["new_tokens"], bench["tokens_per_s"], bench["tau_measured"], bench["target_passes"], out)
     return bench

@@ -18,6 +18,7 @@ top_k children each, then keep the total_tokens nodes of highest cumulative draf
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -169,6 +170,16 @@ class DynamicTree:
                          tree_attention_bias(tree_parents, torch.float32, device), None, "fixed")
 
 
+def build_tree(setting: dict, device) -> StaticTree | DynamicTree | None:
+    """The tree a setting ({"tree": "static", "tree_paths"} or {"tree": "dynamic", "tree_depth", ...}) names;
+    None for a chain."""
+    if setting.get("tree") == "static":
+        return StaticTree(setting["tree_paths"], device)
+    if setting.get("tree") == "dynamic":
+        return DynamicTree(setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"])
+    return None
+
+
 # -- expected tokens per target pass (auto selection and the benchmark's prediction) --------------------------
 
 def rank_accept(alphas: list[float], depth: int, rank: int) -> float:
@@ -194,15 +205,25 @@ def expected_tau_paths(alphas: list[float], paths) -> float:
 
 def expected_tau_dynamic(alphas: list[float], depth: int, top_k: int, total_tokens: int) -> float:
     """τ of the best tree of total_tokens nodes (depth ≤ depth, ≤ top_k children), grown best-first."""
-    heap = [(-rank_accept(alphas, 1, r), 1, r) for r in range(top_k)]
-    heapq.heapify(heap)
-    total = 1.0
+    grown = _best_first(tuple(alphas), depth, top_k, max(total_tokens, 64))
+    return grown[min(total_tokens, len(grown) - 1)]
+
+
+@functools.lru_cache(maxsize=64)
+def _best_first(alphas: tuple, depth: int, top_k: int, total_tokens: int) -> list[float]:
+    """τ after 0, 1, .., total_tokens best-first nodes: adaptive drafting scores every size of one (depth, top_k)
+    each round from one growth. A child is worth at most its parent and a sibling at most its elder, so a popped
+    node only has to offer its first child and its next sibling to keep the best remaining node on the heap."""
+    rank = [[rank_accept(alphas, d, r) for r in range(top_k)] for d in range(depth + 1)]  # row 0 unused
+    heap = [(-rank[1][0], 1, 0, 1.0)]  # (−value, depth, rank, the parent's value)
+    taus = [1.0]
     for _ in range(total_tokens):
         if not heap:
             break
-        neg, d, _ = heapq.heappop(heap)
-        total += -neg
+        neg, d, r, parent = heapq.heappop(heap)
+        taus.append(taus[-1] - neg)
+        if r + 1 < top_k:
+            heapq.heappush(heap, (-parent * rank[d][r + 1], d, r + 1, parent))
         if d < depth:
-            for r in range(top_k):
-                heapq.heappush(heap, (neg * rank_accept(alphas, d + 1, r), d + 1, r))
-    return total
+            heapq.heappush(heap, (neg * rank[d + 1][0], d + 1, 0, -neg))
+    return taus

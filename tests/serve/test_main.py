@@ -95,6 +95,7 @@ def test_gamma_auto_turns_a_useless_head_off(files, tmp_path, caplog):
 
 
 def test_gamma_adaptive_matches_vanilla(files, tmp_path):
+    """Adaptive chains, and adaptive trees (gamma=adaptive tree=dynamic), through the CLI: vanilla's text."""
     prompts = f"prompts={files / 'prompts.jsonl'}"
     adaptive = serve(cfg(f"head_path={files / 'eagle'}", prompts, "gamma=adaptive"), tmp_path / "adaptive")
     vanilla = serve(cfg(prompts), tmp_path / "vanilla")
@@ -102,6 +103,11 @@ def test_gamma_adaptive_matches_vanilla(files, tmp_path):
     assert sum(adaptive["rounds_per_draft_depth"]) == adaptive["target_passes"]
     read = lambda d: [json.loads(line)["token_ids"] for line in (d / "generations.jsonl").read_text().splitlines()]
     assert read(tmp_path / "adaptive") == read(tmp_path / "vanilla")  # greedy: the same text, any γ schedule
+    trees = serve(cfg(f"head_path={files / 'eagle'}", prompts, "gamma=adaptive", "tree=dynamic"), tmp_path / "trees")
+    assert trees["settings"]["tree"] == "dynamic" and trees["auto"]["alpha_source"].startswith("product")
+    assert any(s.get("tree") == "dynamic" for s in trees["auto"]["settings"])
+    assert sum(trees["adaptive_rounds"].values()) == trees["target_passes"]
+    assert read(tmp_path / "trees") == read(tmp_path / "vanilla")
 
 
 def test_static_tree_sampling_runs(files, tmp_path):
@@ -117,7 +123,6 @@ def test_static_tree_sampling_runs(files, tmp_path):
     (["gamma=3"], "need a draft head"),
     (["head_path={d}/eagle", "tree=static"], "Medusa"),
     (["head_path={d}/medusa", "gamma=9"], "exceeds"),
-    (["head_path={d}/eagle", "gamma=adaptive", "tree=dynamic"], "drop tree"),
     (["head_path={d}/nothing"], "not a draftheads head"),
     (["prompts={d}/bad.jsonl"], "not JSON"),
 ])

@@ -1,0 +1,205 @@
+"""Adaptive drafting against the best fixed setting and against plain decoding, head by head (weak and strong).
+
+    python scripts/bench_adaptive.py --heads runs/eagle3-weak runs/eagle3 --out adaptive_out
+    python scripts/bench_adaptive.py --target stories260k --prompts stories.jsonl --heads /tmp/weak /tmp/strong
+
+Each head is a directory (DIR or DIR/head) with acceptance.json in or beside it. Per head and temperature, on the
+same prompts, interleaved prompt by prompt (best of --reps per prompt, so load on the machine hits every method
+alike): plain decoding; every fixed chain γ = 1..K; the tree gamma=auto would pick for the family (EAGLE-2 dynamic
+or Medusa static); adaptive γ (chains); adaptive trees. "best fixed" is the fastest fixed chain or tree, picked in
+hindsight, so adaptive is held to the best any fixed setting did on this text. gamma=auto's own pick is marked.
+Reported: tokens/s, × plain, × best fixed, τ measured, and for the adaptive rows the settings chosen (rounds) and
+over time (each request's rounds in quarters: the most used setting and the share of plain rounds).
+Writes OUT/adaptive.json and OUT/adaptive.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from heads.target import load_target, shared_dir
+from serve import auto
+from serve.adaptive import Adaptive
+from serve.generate import Decoder, Sampling, Stats, generate
+from serve.main import load_draft_head, load_prompts, stop_ids
+from serve.model import Transformer
+from serve.tree import build_tree
+
+TREES = {"medusa": "static", "eagle": "dynamic", "eagle3": "dynamic"}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--heads", nargs="+", required=True, help="head dirs with acceptance.json in or beside them")
+    p.add_argument("--prompts", default=str(shared_dir() / "data/eval/spec_bench/question.jsonl"))
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--per-task", type=int, default=None, help="at most N prompts per Spec-Bench task")
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--reps", type=int, default=2, help="runs per prompt and method; the fastest counts")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="adaptive_out")
+    return p.parse_args()
+
+
+def methods_for(head, read: dict, costs: dict) -> dict[str, dict]:
+    """name -> setting: fixed chains, auto's tree, adaptive γ and adaptive trees (plain is added apart)."""
+    family, steps, alphas = head.family, head.max_draft_steps, read["alpha"]
+    tree = TREES.get(family)
+    top = len(alphas) if steps is None else min(len(alphas), steps)
+    out = {auto.describe({"gamma": g}): {"gamma": g} for g in range(1, top + 1)}
+    predict = lambda s: auto.predict(s, alphas, costs["r"], costs["c"], read["tau_chain"])["speedup_predicted"]
+    if tree:
+        best_tree = max((s for s in auto.candidates(family, steps, alphas, tree) if "tree" in s), key=predict)
+        out[auto.describe(best_tree)] = best_tree
+    out["adaptive γ"] = {"adaptive": True}
+    if tree:
+        out[f"adaptive {tree} tree"] = {"adaptive": True, "tree": tree}
+    return out
+
+
+def decoder(model, head, setting, read, costs, T) -> Decoder:
+    adaptive = None
+    if setting.get("adaptive"):
+        prior = read["alpha"][: head.max_draft_steps] if head.max_draft_steps else read["alpha"]
+        candidates = auto.candidates(head.family, head.max_draft_steps, read["alpha"], setting.get("tree"))
+        adaptive = Adaptive(prior, costs["r"], costs["c"], settings=candidates, pass_s=costs["target_pass_1_s"])
+    tree = None if adaptive else build_tree(setting, model.device)
+    return Decoder(model, head, Sampling(T), gamma=setting.get("gamma", 0), tree=tree, adaptive=adaptive)
+
+
+def over_time(traces: list[list[int]], settings: list[dict], parts: int = 4) -> list[dict]:
+    """Each request's rounds cut in ``parts`` equal stretches; per stretch over all requests: the most used
+    setting and the share of plain rounds."""
+    stretches = [Counter() for _ in range(parts)]
+    for trace in traces:
+        for i, index in enumerate(trace):
+            stretches[i * parts // len(trace)][index] += 1
+    out = []
+    for c in stretches:
+        total = sum(c.values()) or 1
+        top, n = c.most_common(1)[0] if c else (0, 0)
+        out.append({"most_used": auto.describe(settings[top]), "share": n / total, "plain": c[0] / total})
+    return out
+
+
+def run_head(model, head, head_dir, prompts, stops, args, T) -> dict:
+    acc = auto.find_acceptance(head_dir)
+    read = auto.read_acceptance(acc, T)
+    costs = auto.measure_costs(model, head, auto.sizes_for(head.max_draft_steps, read["alpha"], TREES.get(head.family)))
+    record = auto.choose(head.family, head.max_draft_steps, read["alpha"], costs, TREES.get(head.family),
+                         read["tau_chain"])
+    settings = methods_for(head, read, costs)
+    decoders = {"plain": Decoder(model, None, Sampling(T))}
+    decoders.update({name: decoder(model, head, s, read, costs, T) for name, s in settings.items()})
+    seconds, tokens = Counter(), Counter()
+    stats = {name: Stats() for name in decoders}
+    traces = {name: [] for name in decoders}
+    for name, dec in decoders.items():  # warm-up
+        generate(dec, prompts[0][:16], 8, stops)
+    for i, prompt in enumerate(prompts):
+        best = {}
+        for rep in range(args.reps):
+            for name, dec in decoders.items():
+                dec.generator.manual_seed(1000 * i + rep)
+                t0 = time.perf_counter()
+                out, st = generate(dec, prompt, args.max_new_tokens, stops)
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - t0
+                if name not in best or elapsed < best[name][0]:
+                    best[name] = (elapsed, len(out), st, list(dec.trace))
+        for name, (elapsed, n, st, trace) in best.items():
+            seconds[name] += elapsed
+            tokens[name] += n
+            stats[name].merge(st)
+            if trace:
+                traces[name].append(trace)
+        print(f"{head_dir.name} T={T} prompt {i + 1}/{len(prompts)}", flush=True)
+    tps = {name: tokens[name] / seconds[name] for name in decoders}
+    fixed = [n for n, s in settings.items() if not s.get("adaptive")]
+    best_fixed = max(fixed, key=tps.__getitem__)
+    auto_pick = auto.describe(record["choice"])
+    rows = []
+    for name, dec in decoders.items():
+        row = {"method": name, "tokens": tokens[name], "seconds": seconds[name], "tokens_per_s": tps[name],
+               "x_plain": tps[name] / tps["plain"], "x_best_fixed": tps[name] / tps[best_fixed],
+               "tau_measured": stats[name].summary()["tau_measured"] if name != "plain" else 1.0,
+               "best_fixed": name == best_fixed, "auto_pick": name == auto_pick}
+        if dec.adaptive is not None:
+            chosen = Counter(i for trace in traces[name] for i in trace)
+            row["rounds_by_setting"] = {auto.describe(dec.adaptive.settings[i]): n for i, n in chosen.most_common()}
+            row["over_time"] = over_time(traces[name], dec.adaptive.settings)
+        rows.append(row)
+    return {"head": str(head_dir), "family": head.family, "temperature": T, "acceptance_json": str(acc),
+            "tau_source": read["source"], "alpha": read["alpha"], "costs": costs, "auto_pick": auto_pick,
+            "best_fixed": best_fixed, "rows": rows}
+
+
+def markdown(report) -> str:
+    m = report["machine"]
+    lines = [f"# Adaptive drafting on {report['target']}", "",
+             f"{report['date']} · {m['cpu'] or m['platform']} · {m['threads']} threads · torch {m['torch']}"
+             f"{' · ' + m['gpu'] if m['gpu'] else ''} · {report['prompts']} prompts · "
+             f"{report['max_new_tokens']} new tokens · best of {report['reps']} per prompt", "",
+             f"`{report['command']}`", ""]
+    for r in report["results"]:
+        lines += [f"## {r['head']} ({r['family']}), T = {r['temperature']}", "",
+                  f"α per position ({r['tau_source']}): {[round(a, 3) for a in r['alpha']]}; "
+                  f"c = {r['costs']['c']:.3f}; gamma=auto picks {r['auto_pick']}", "",
+                  "| method | tokens/s | × plain | × best fixed | τ | chosen (rounds) | over time (quarters) |",
+                  "|---|---:|---:|---:|---:|---|---|"]
+        for row in r["rows"]:
+            marks = (" **(best fixed)**" if row["best_fixed"] else "") + (" *(auto)*" if row["auto_pick"] else "")
+            chosen = ", ".join(f"{k}: {v}" for k, v in list(row.get("rounds_by_setting", {}).items())[:3])
+            quarters = " → ".join(f"{q['most_used']} ({q['share']:.0%}; plain {q['plain']:.0%})"
+                                  for q in row.get("over_time", []))
+            lines.append(f"| {row['method']}{marks} | {row['tokens_per_s']:.1f} | {row['x_plain']:.2f} | "
+                         f"{row['x_best_fixed']:.2f} | {row['tau_measured']:.2f} | {chosen} | {quarters} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(args.target, dtype="bfloat16" if device == "cuda" else "float32", device=device)
+    model = Transformer.from_hf(target.model)
+    prompts = load_prompts(args.prompts, target.tokenizer, args.chat_template, args.per_task, args.limit)
+    prompts = [torch.tensor(p["prompt_ids"], device=device) for p in prompts]
+    stops = stop_ids(target.tokenizer, target.model.config)
+    results = []
+    for d in args.heads:
+        head, head_dir = load_draft_head(d, target, model, model.dtype)
+        for T in args.temperatures:
+            results.append(run_head(model, head, head_dir, prompts, stops, args, T))
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), "") if Path("/proc/cpuinfo").exists() else ""
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "machine": {"platform": platform.platform(), "cpu": cpu, "threads": torch.get_num_threads(),
+                          "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
+              "target": args.target, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "reps": args.reps, "results": results}
+    tmp = out / "adaptive.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out / "adaptive.json")
+    (out / "adaptive.md").write_text(markdown(report))
+    print((out / "adaptive.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
