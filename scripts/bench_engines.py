@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -55,6 +56,7 @@ def parse_args():
     p.add_argument("--threads", type=int, default=2, help="every engine's thread count")
     p.add_argument("--reps", type=int, default=2, help="best of N (per prompt in llama.cpp, per pass in vLLM)")
     p.add_argument("--engines", nargs="+", default=["llamacpp", "vllm", "serve"], choices=["llamacpp", "vllm", "serve"])
+    p.add_argument("--vllm-timeout", type=int, default=3600, help="seconds for all vLLM runs together")
     p.add_argument("--gguf-type", default="f32", help="target and draft GGUF type (convert_hf_to_gguf --outtype)")
     p.add_argument("--out", default="bench_engines_out")
     args = p.parse_args()
@@ -88,10 +90,18 @@ def tau_from_alpha(head: Path, k: int, temperature: float) -> float | None:
 
 
 def run(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    # Its own process group, so a timeout also ends what it spawned (vLLM's engine core and worker).
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENGINE_ENV,
+                             cwd=ROOT, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or ENGINE_ENV, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        raise EngineError(f"{Path(cmd[0]).name} timed out after {timeout} s") from None
+        stdout, stderr = child.communicate(timeout=timeout)
+    except BaseException as e:  # a timeout, or Ctrl-C (which the new session no longer passes down)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise EngineError(f"{Path(cmd[0]).name} timed out after {timeout} s") from None
+        raise
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     if proc.returncode != 0:
         tail = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()][-1:] or ["no output"]
         raise EngineError(f"{Path(cmd[0]).name} {Path(cmd[1]).name if len(cmd) > 1 else ''} failed "
@@ -235,11 +245,18 @@ def vllm_rows(args, prompts, out: Path) -> list[dict]:
     (out / "prompts.json").write_text(json.dumps([p["prompt_ids"] for p in prompts]))
     result = out / "vllm.json"
     env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}  # its thread count: the bound cores
-    run([str(venv / "bin" / "python"), str(ROOT / "scripts" / "engines" / "vllm_generate.py"),
-         "--plan", str(out / "vllm_plan.json"), "--prompts", str(out / "prompts.json"), "--out", str(result),
-         "--max-tokens", str(args.max_new_tokens), "--temperatures", *map(str, args.temperatures),
-         "--reps", str(args.reps), "--sequential", "--max-model-len", str(args.max_model_len)], timeout=3600, env=env)
-    for name, r in json.loads(result.read_text()).items():
+    result.unlink(missing_ok=True)
+    try:
+        run([str(venv / "bin" / "python"), str(ROOT / "scripts" / "engines" / "vllm_generate.py"),
+             "--plan", str(out / "vllm_plan.json"), "--prompts", str(out / "prompts.json"), "--out", str(result),
+             "--max-tokens", str(args.max_new_tokens), "--temperatures", *map(str, args.temperatures),
+             "--reps", str(args.reps), "--sequential", "--max-model-len", str(args.max_model_len)],
+            timeout=args.vllm_timeout, env=env)
+        results = json.loads(result.read_text())
+    except EngineError as e:  # the runs that finished before a crash or the timeout are written; keep them
+        results = json.loads(result.read_text()) if result.exists() else {}
+        results.update({p["name"]: {"error": str(e)} for p in plan if p["name"] not in results})
+    for name, r in results.items():
         if "error" in r:
             rows += [row("vLLM-cpu", name, T, error=r["error"].splitlines()[0][:200]) for T in args.temperatures]
             continue
