@@ -306,7 +306,7 @@ def markdown(report: dict) -> str:
             if r.get("error"):
                 lines.append(f"| {r['engine']} | {r['method']} | | | | | | error: {r['error']} |")
                 continue
-            lines.append(f"| {r['engine']} | {r['method']} | {fmt(r.get('tokens_per_s'), '.1f')} | "
+            lines.append(f"| {r['engine']} | {r['method']} | {fmt(r.get('tokens_per_s'), '.3g')} | "
                          f"{fmt(r.get('x_baseline'), '.2f')} | {fmt(r.get('tau_measured'), '.2f')} | "
                          f"{fmt(r.get('tau_predicted'), '.2f')} | {fmt(r.get('predicted_x'), '.2f')} | "
                          f"{r.get('note', '')} |")
