@@ -3,6 +3,7 @@ vanilla, and this runner with each head (chain, tree where the family has one, a
 
     python scripts/bench.py --heads runs/eagle3 runs/eagle runs/medusa runs/mtp --out bench_out
     python scripts/bench.py --quick --target tiny-random --out /tmp/bench   # smoke test: untrained heads, seconds
+    python scripts/bench.py --heads runs/eagle3 --gamma 3 --baselines hf_generate   # one chain: bench_engines.py's row
 
 Every method decodes the same Spec-Bench subset (--per-task prompts from each of its six tasks, first turn,
 chat-templated), interleaved prompt by prompt so load on the machine hits all methods alike. γ and tree sizes come
@@ -38,6 +39,7 @@ from serve.tree import MEDUSA_TREE
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = {"medusa": "static", "eagle": "dynamic", "eagle3": "dynamic"}
+HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
 
 
 def parse_args():
@@ -55,9 +57,16 @@ def parse_args():
     p.add_argument("--early-exit-layer", type=int, default=None, help="HF assistant_early_exit (default L/4)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--baselines", nargs="*", default=list(HF_METHODS), choices=HF_METHODS,
+                   help="which HF methods to run (hf_generate is the reference every ratio needs)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="one chain of this γ per head instead of serve/auto.py's picks (no tree, no adaptive row): "
+                        "the setting scripts/bench_engines.py gives the engines")
     p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens, greedy only: a smoke test")
     p.add_argument("--out", default="bench_out")
     args = p.parse_args()
+    if "hf_generate" not in args.baselines:
+        p.error("--baselines must include hf_generate: every row's ratio is to it")
     if args.quick:
         args.per_task, args.limit, args.max_new_tokens, args.temperatures = 1, 2, 16, [0.0]
         if not args.heads and not args.untrained:
@@ -106,11 +115,13 @@ def alphas_for(h, temperature):
         return None
 
 
-def settings_for(h, alphas, costs) -> list[dict]:
+def settings_for(h, alphas, costs, fixed_gamma=None) -> list[dict]:
     """The chain and (where the family has one) the tree the runner would pick, and adaptive γ; defaults without
-    α (and no adaptive row: it needs α as its prior)."""
+    α (and no adaptive row: it needs α as its prior). ``fixed_gamma``: that one chain only."""
     head, family = h["head"], h["head"].family
     steps = head.max_draft_steps
+    if fixed_gamma:
+        return [{"gamma": min(fixed_gamma, steps or fixed_gamma)}]
     tree = TREES.get(family)
     if alphas is None:
         out = [{"gamma": min(3, steps or 3)}]
@@ -200,16 +211,17 @@ def main():
     stops = stop_ids(target.tokenizer, target.model.config)
 
     sizes = [1, 2, 4, 17] if args.quick else sorted(set(range(1, 10)) | {17, 25, 33, 49, 65})
+    if args.gamma:  # one chain: only r(γ + 1) is read
+        sizes = [1, args.gamma + 1]
     for h in heads:
         h["costs"] = auto.measure_costs(model, h["head"], sizes, reps=2 if args.quick else 5)
     results = {}
     for T in args.temperatures:
-        methods = {k: {"run": hf_runner(target, k, args, stops)} for k in
-                   ("hf_generate", "hf_prompt_lookup", "hf_early_exit")}
+        methods = {k: {"run": hf_runner(target, k, args, stops)} for k in args.baselines}
         methods["vanilla"] = {"run": our_runner(model, None, {"gamma": 0}, stops, args.max_new_tokens)}
         for h in heads:
             alphas = alphas_for(h, T)
-            for s in settings_for(h, alphas, h["costs"]):
+            for s in settings_for(h, alphas, h["costs"], args.gamma):
                 name = f"{h['label']}: {auto.describe(s)}"
                 methods[name] = {"run": our_runner(model, h["head"], s, stops, args.max_new_tokens, alphas,
                                                    h["costs"]), "setting": s, "head": h, "alphas": alphas}

@@ -6,6 +6,7 @@ in-process (``uni`` executor): one process spawn per run instead of two. (A full
 VLLM_ENABLE_V1_MULTIPROCESSING=0, loads faster but generated 5-10x slower here: vLLM drops torch to one thread.)
 
     python vllm_generate.py --plan plan.json --prompts prompts.json --out result.json [--max-tokens 48]
+        [--temperatures 0 1 --reps 3 --sequential]   # scripts/bench_engines.py: timed, one request at a time
 
 plan.json: [{"name": "base", "model": TARGET_DIR},
             {"name": "eagle", "model": TARGET_DIR, "method": "eagle", "draft": DIR, "k": 3},
@@ -13,7 +14,10 @@ plan.json: [{"name": "base", "model": TARGET_DIR},
 result.json: {name: {"tokens": [[...], ...], "num_drafts", "num_draft_tokens", "num_accepted_tokens",
               "accepted_per_pos", "acceptance_per_pos", "method", "num_speculative_tokens", "load_s",
               "generate_s"} or {"error": "..."}}. Counters are vLLM's own (``llm.get_metrics()``), taken as the
-difference across each run because the Prometheus registry is process-global.
+difference across each run because the Prometheus registry is process-global. With several --temperatures the
+top-level keys are the first one's and "by_temperature" always holds each ({"0.0": {...}}); --reps repeats the
+generation and keeps the fastest (counters and tokens from the first); --sequential sends one prompt at a time
+(single-stream latency, what speculative decoding is for) instead of one batch.
 """
 import argparse
 import gc
@@ -45,36 +49,54 @@ def diff(after: dict, before: dict) -> dict:
     return out
 
 
-def run(spec: dict, prompts, max_tokens: int, dtype: str) -> dict:
-    from vllm import LLM, SamplingParams
+def generate(llm, prompts, max_tokens: int, temperature: float, sequential: bool) -> tuple[list, float]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
+    t0 = time.time()
+    if sequential:
+        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, time.time() - t0
+
+
+def run(spec: dict, prompts, max_tokens: int, dtype: str, temperatures=(0.0,), reps: int = 1,
+        sequential: bool = False, max_model_len: int = 1024) -> dict:
+    from vllm import LLM
 
     speculative_config = None
     if spec.get("method"):
         speculative_config = {"method": spec["method"], "model": spec["draft"],
                               "num_speculative_tokens": spec.get("k", 3)}
     t0 = time.time()
-    llm = LLM(model=spec["model"], dtype=dtype, enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+    llm = LLM(model=spec["model"], dtype=dtype, enforce_eager=True, max_model_len=max_model_len, max_num_seqs=8, seed=0,
               speculative_config=speculative_config, disable_log_stats=False, distributed_executor_backend="uni")
     load_s = time.time() - t0
-    before = spec_counters(llm)
-    t0 = time.time()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    gen_s = time.time() - t0
-    c = diff(spec_counters(llm), before)
     sc = llm.llm_engine.vllm_config.speculative_config
-    result = {
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "num_drafts": c.get("num_drafts", 0), "num_draft_tokens": c.get("num_draft_tokens", 0),
-        "num_accepted_tokens": c.get("num_accepted_tokens", 0), "accepted_per_pos": c["accepted_per_pos"],
-        "method": getattr(sc, "method", None), "num_speculative_tokens": getattr(sc, "num_speculative_tokens", 0),
-        "load_s": round(load_s, 1), "generate_s": round(gen_s, 1),
-    }
-    if result["num_drafts"]:
-        result["acceptance_per_pos"] = [a / result["num_drafts"] for a in result["accepted_per_pos"]]
+    generate(llm, prompts[:1], 8, 0.0, True)  # warm-up: the first request pays one-off costs
+    by_t = {}
+    for temperature in temperatures:
+        before = spec_counters(llm)
+        outputs, gen_s = generate(llm, prompts, max_tokens, temperature, sequential)
+        c = diff(spec_counters(llm), before)
+        for _ in range(reps - 1):
+            gen_s = min(gen_s, generate(llm, prompts, max_tokens, temperature, sequential)[1])
+        result = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "num_drafts": c.get("num_drafts", 0), "num_draft_tokens": c.get("num_draft_tokens", 0),
+            "num_accepted_tokens": c.get("num_accepted_tokens", 0), "accepted_per_pos": c["accepted_per_pos"],
+            "method": getattr(sc, "method", None), "num_speculative_tokens": getattr(sc, "num_speculative_tokens", 0),
+            "load_s": round(load_s, 1), "generate_s": round(gen_s, 3),
+        }
+        if result["num_drafts"]:
+            result["acceptance_per_pos"] = [a / result["num_drafts"] for a in result["accepted_per_pos"]]
+        by_t[str(float(temperature))] = result
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    return result
+    first = by_t[str(float(temperatures[0]))]
+    return {**first, "by_temperature": by_t}
 
 
 def main():
@@ -84,6 +106,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--reps", type=int, default=1, help="generate N times, keep the fastest")
+    ap.add_argument("--sequential", action="store_true", help="one prompt at a time instead of one batch")
+    ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
 
     from vllm.inputs import TokensPrompt
@@ -92,7 +118,8 @@ def main():
     results = {}
     for spec in json.load(open(args.plan)):
         try:
-            results[spec["name"]] = run(spec, prompts, args.max_tokens, args.dtype)
+            results[spec["name"]] = run(spec, prompts, args.max_tokens, args.dtype, args.temperatures, args.reps,
+                                        args.sequential, args.max_model_len)
         except Exception as e:  # one bad export must not hide the others' results
             results[spec["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
         with open(args.out, "w") as f:  # after every run: a later crash keeps what finished
