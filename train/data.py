@@ -157,7 +157,7 @@ class LengthGroupedBatches(Sampler):
         self.rank, self.world, self.drop_last = rank, world, drop_last
         self.epoch, self.skip = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before every epoch
+    def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def _batches(self) -> list[list[int]]:
@@ -204,6 +204,13 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.resume(int(state["batches_consumed"]))
+
+    def __iter__(self):
+        # Each pass starts where training stands: Lightning never calls set_epoch on a batch sampler (it looks for
+        # loader.sampler and loader.batch_sampler.sampler only), so epochs would otherwise all repeat epoch 0's
+        # order, and a run resumed past an epoch boundary would train other batches than an uninterrupted one.
+        self.batch_sampler.resume(self.consumed())
+        return super().__iter__()
 
 
 class DraftDataModule(L.LightningDataModule):
