@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from train.main import train
 from train.module import DraftModule
 from train.selection import read_state, score
 
+ROOT = Path(__file__).resolve().parents[2]
 TRAINING_STEP = DraftModule.training_step  # the real one, whatever a test patched in before
 
 
@@ -91,6 +94,16 @@ def test_best_check_is_kept_when_alpha_falls(falling_cfg, tmp_path, monkeypatch)
     tokens = [float(r["val/trained_tokens"]) for r in val_rows(out)]
     assert tokens == [c["trained_tokens"] for c in checks] and tokens[0] < tokens[1] < tokens[2]
     assert tokens[2] == record["trained_tokens_total"] == record["trained_tokens"]
+
+    # the scaling curve reads this run's CSV: one row per check, then the kept head
+    proc = subprocess.run([sys.executable, "scripts/scaling_curve.py", str(out), "--out", str(tmp_path / "s.png")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| run ")
+            and "step" not in line]
+    assert [int(r[1]) for r in rows] == [4, 8, 12, 4] and int(rows[2][2].replace(",", "")) == tokens[2]
+    assert float(rows[0][3]) == pytest.approx(checks[0]["alpha"][0], abs=1e-3)
+    assert (tmp_path / "s.png").stat().st_size > 1000
 
     # a crash at step 10 (checkpoint at step 8, written before that step's check, at the end of epoch 0: 32 records
     # in batches of 4), then resume=true: the same batches follow, the step-4 head is still the one kept, and the
