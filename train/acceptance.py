@@ -90,6 +90,20 @@ class Tally:
         self.tokens += other.tokens
         self.anchors += other.anchors
 
+    def to_tensor(self) -> torch.Tensor:
+        """[4K + 2] float64: every sum in one tensor, for one all-reduce over ranks."""
+        return torch.from_numpy(np.concatenate([self.sums, self.counts, self.prods, self.rounds,
+                                                [self.tokens, self.anchors]]))
+
+    @classmethod
+    def from_tensor(cls, flat: torch.Tensor) -> "Tally":
+        flat = flat.double().cpu().numpy()
+        K = (len(flat) - 2) // 4
+        tally = cls(K)
+        tally.sums, tally.counts, tally.prods, tally.rounds = (flat[i * K:(i + 1) * K].copy() for i in range(4))
+        tally.tokens, tally.anchors = int(flat[-2]), int(flat[-1])
+        return tally
+
     def summary(self) -> dict:
         chain = np.concatenate([[self.anchors], self.prods])  # Σ P(run ≥ k), k = 0..K
         return {"alpha": [s / c if c else 0.0 for s, c in zip(self.sums, self.counts)],
@@ -108,7 +122,7 @@ def measure(heads: dict[str, DraftHead], target: Target, loader, temperatures, t
     for head in heads.values():
         head.eval().to(device)
     for batch in loader:
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device) for k, v in batch.items() if not k.startswith("hidden.")}  # the target's own pass
         attn = None if bool(batch["attention_mask"].all()) else batch["attention_mask"]
         feats = target.features(batch["input_ids"], batch["loss_mask"], attn, layers=layers)
         for name, head in heads.items():

@@ -157,7 +157,7 @@ class LengthGroupedBatches(Sampler):
         self.rank, self.world, self.drop_last = rank, world, drop_last
         self.epoch, self.skip = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before every epoch
+    def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def _batches(self) -> list[list[int]]:
@@ -204,6 +204,13 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.resume(int(state["batches_consumed"]))
+
+    def __iter__(self):
+        # Each pass starts where training stands: Lightning never calls set_epoch on a batch sampler (it looks for
+        # loader.sampler and loader.batch_sampler.sampler only), so epochs would otherwise all repeat epoch 0's
+        # order, and a run resumed past an epoch boundary would train other batches than an uninterrupted one.
+        self.batch_sampler.resume(self.consumed())
+        return super().__iter__()
 
 
 class DraftDataModule(L.LightningDataModule):
@@ -273,26 +280,37 @@ class DraftDataModule(L.LightningDataModule):
 
         Keeps the hidden states the head reads (and the final-norm output, from which the module recomputes the
         target's logits with the lm_head: far cheaper than the decoder stack and far smaller than [T, V] logits).
+        The held-out text of the main evaluation temperature is cached alike, so a mid-run α check (val/alpha@k)
+        is a head pass over it; the final acceptance measurement still runs the target itself.
         """
         layers = sorted(set(layers) | {self.target.dims.num_layers})
         if self.cfg.features_on_disk:
             from train.feature_cache import attach
 
-            self.feature_cache = attach(self.target, self.train_examples, layers, self.cfg.max_len,
-                                        self.cfg.feature_dir, batch_size=self.cfg.eval_batch_size)
+            root = self.cfg.feature_dir  # an explicit directory holds one key: the held-out text gets a subfolder
+            self.feature_cache = attach(self.target, self.train_examples, layers, self.cfg.max_len, root,
+                                        batch_size=self.cfg.eval_batch_size)
+            self.feature_cache["heldout"] = attach(self.target, self.eval_examples, layers, self.cfg.max_len,
+                                                   f"{root}/heldout" if root else None,
+                                                   batch_size=self.cfg.eval_batch_size)
             return
+        for examples in (self.train_examples, self.eval_examples):
+            self._cache_in_memory(examples, layers)
+
+    def _cache_in_memory(self, examples: list[Example], layers: list[int]) -> None:
+        """The same length-sorted batches as the evaluation loaders: the held-out features equal the online ones."""
         device = next(self.target.model.parameters()).device
-        loader = self._loader(self.train_examples, LengthGroupedBatches(
-            [len(ex.input_ids) for ex in self.train_examples], self.cfg.eval_batch_size, shuffle=False, drop_last=False))
+        loader = self._loader(examples, LengthGroupedBatches(
+            [len(ex.input_ids) for ex in examples], self.cfg.eval_batch_size, shuffle=False, drop_last=False))
         order = loader.batch_sampler._batches()
         for idx, batch in zip(order, loader):
-            if all(self.train_examples[i].hidden is not None for i in idx):
+            if all(examples[i].hidden is not None for i in idx):
                 continue  # kept from generation
             attn = None if bool(batch["attention_mask"].all()) else batch["attention_mask"].to(device)
             feats = self.target.features(batch["input_ids"].to(device), None, attn, layers=layers)
             for b, i in enumerate(idx):
-                n = len(self.train_examples[i].input_ids)
-                self.train_examples[i].hidden = {k: feats.hidden[k][b, :n].cpu() for k in layers}
+                n = len(examples[i].input_ids)
+                examples[i].hidden = {k: feats.hidden[k][b, :n].cpu() for k in layers}
 
     @staticmethod
     def num_tokens(examples: list[Example]) -> int:

@@ -80,7 +80,7 @@ def build_logger(cfg: DictConfig):
     return hydra.utils.instantiate(lcfg)
 
 
-def build_trainer(cfg: DictConfig, out: Path):
+def build_trainer(cfg: DictConfig, out: Path, extra_callbacks=()):
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
@@ -89,7 +89,7 @@ def build_trainer(cfg: DictConfig, out: Path):
     every = kwargs.pop("checkpoint_every_n_steps", None)
     logger = build_logger(cfg)
     callbacks = [ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0,
-                                 every_n_train_steps=every or None)]
+                                 every_n_train_steps=every or None), *extra_callbacks]
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     return L.Trainer(strategy=strategy, logger=logger, callbacks=callbacks, default_root_dir=str(out),
@@ -199,6 +199,7 @@ def train(cfg: DictConfig) -> dict:
     from train.acceptance import acceptance_record, measure_sets, plot_alpha, write_json
     from train.data import DataConfig, DraftDataModule
     from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
+    from train.selection import BEST_BY, BestHead, final_choice
 
     if cfg.mode not in ("train", "eval", "distill"):
         raise UserError(f"mode={cfg.mode!r}; choose train, eval or distill")
@@ -234,33 +235,49 @@ def train(cfg: DictConfig) -> dict:
     loss = LossConfig(**OmegaConf.to_container(cfg.head.loss, resolve=True))
     optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
     ecfg = EvalConfig(**OmegaConf.to_container(cfg.eval, resolve=True))
+    if ecfg.best_by not in BEST_BY:
+        raise UserError(f"eval.best_by={ecfg.best_by!r}; choose {' or '.join(BEST_BY)}")
     module = DraftModule(head, target, loss, optim, ecfg)
-    trainer = build_trainer(cfg, out)
+    keeper = BestHead(out / "checkpoints", ecfg.best_by, target.identity(), resume=ckpt_path is not None)
+    trainer = build_trainer(cfg, out, [keeper])
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
     log.info("trained %d steps in %.0f s (%d trained tokens, %.0f tokens/s in training steps)", trainer.global_step,
              time.perf_counter() - t0, module.trained_tokens, module.trained_tokens / max(module.train_seconds, 1e-9))
     from train.strategies import consolidated_head  # lazy: imports Lightning's DeepSpeed strategy
 
-    head = consolidated_head(trainer, module.head)  # whole fp32 weights under any strategy; every rank must call
+    last = consolidated_head(trainer, module.head)  # whole fp32 weights under any strategy; every rank must call
     if not trainer.is_global_zero:
         return {}
-    t0 = time.perf_counter()
-    save_head(head, out / "head", target.identity(),
-              extra={"train": {"data": dcfg.name, "steps": trainer.global_step, "loss": asdict(loss)}})
-    untrained = make_head(cfg, target, state=init_state)
-    measured = measure_sets({"trained": head, "untrained": untrained}, target, data.eval_loaders(), ecfg.top_k,
-                            ecfg.top_p)
-    record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), float(ecfg.temperature),
-                               measured["trained"], measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
-    record["train_steps"] = trainer.global_step
+    t0, step, T = time.perf_counter(), trainer.global_step, float(ecfg.temperature)
+    train_info = {"data": dcfg.name, "steps": step, "loss": asdict(loss)}
+    save_head(last, out / "head", target.identity(), extra={"train": train_info})  # kept if what follows fails
+    heads = {"last": last, "untrained": make_head(cfg, target, state=init_state)}
+    best = keeper.best()
+    if best is not None and best[1]["step"] != step:  # the best mid-run check's head, measured beside the last
+        best[0].attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+        heads["best"] = best[0]
+    measured = measure_sets(heads, target, data.eval_loaders(), ecfg.top_k, ecfg.top_p)
+    chosen = final_choice(measured, T, ecfg.best_by)
+    head_step = best[1]["step"] if chosen == "best" else step
+    record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), T, measured[chosen],
+                               measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
+    record.update(train_steps=step, head_step=head_step, selected_by=ecfg.best_by, alpha_last=measured["last"][T]["alpha"],
+                  tau_predicted_last=measured["last"][T]["tau_predicted"], heldout_checks=keeper.state["history"])
     record["trained_tokens"] = module.trained_tokens  # this process's share, this run (not before a resume)
+    record["trained_tokens_total"] = module.tokens_total  # every rank, since step 0
     record["trained_tokens_per_s"] = round(module.trained_tokens / max(module.train_seconds, 1e-9), 1)
     if data.feature_cache:
         record["feature_cache"] = data.feature_cache
+    if chosen == "best":
+        save_head(heads["best"], out / "head", target.identity(),
+                  extra={"train": {**train_info, "steps": head_step, "last_step": step}})
+    log.info("head/ holds the step-%d head (kept by held-out %s); the last step %d had α %s", head_step,
+             "τ at γ = K" if ecfg.best_by == "tau" else "α@1", step, [round(a, 3) for a in record["alpha_last"]])
     if trainer.logger:  # the held-out numbers next to the training curves (W&B summary, CSV row)
-        trainer.logger.log_metrics({f"heldout/{key}@{k}": a for key in ("alpha", "alpha_untrained")
-                                    for k, a in enumerate(record[key], start=1)}, step=trainer.global_step)
+        metrics = {f"heldout/{key}@{k}": a for key in ("alpha", "alpha_untrained", "alpha_last")
+                   for k, a in enumerate(record[key], start=1)}
+        trainer.logger.log_metrics({**metrics, "heldout/head_step": head_step}, step=step)
         trainer.logger.save()
     write_json(out / "acceptance.json", record)
     plot_alpha(out / "alpha.png", record)

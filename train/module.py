@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from heads.base import DraftHead, TargetFeatures
-from heads.losses import alpha_sums, head_loss
+from heads.losses import head_loss
 from heads.target import Target
+from train.acceptance import Tally, acceptance_grid
 
 
 @dataclass
@@ -42,6 +43,7 @@ class EvalConfig:
     top_k: int = 0
     top_p: float = 1.0
     extra_temperatures: tuple[float, ...] = (1.0,)  # also reported in acceptance.json (same forward, cheap)
+    best_by: str = "tau"  # the kept head: highest held-out τ at γ = K (the chain walk) | "alpha" (α@1)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -57,8 +59,10 @@ class DraftModule(L.LightningModule):
         self.head = head
         self.target = target  # a dataclass, not an nn.Module: stays out of state_dict and parameters()
         self.loss_cfg, self.optim_cfg, self.eval_cfg = loss, optim, evaluation
-        self._val_sums: torch.Tensor | None = None
-        self.trained_tokens = 0  # tokens the loss was computed on (this run), for trained tokens/s
+        self._val_tally: Tally | None = None
+        self.heldout: dict | None = None  # the last mid-run check: step, trained tokens, α per step, τ per γ
+        self.trained_tokens = 0  # tokens the loss was computed on (this process, this run), for trained tokens/s
+        self.tokens_total = 0  # every rank's trained tokens since step 0, resumes included (checkpointed)
         self.train_seconds = 0.0
         self._step_start: float | None = None
 
@@ -105,6 +109,10 @@ class DraftModule(L.LightningModule):
         loss, stats = head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
                                 temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k
         B = batch["input_ids"].shape[0]
+        tokens = batch["loss_mask"].sum()  # counted here, not in on_train_batch_end: checkpoints are written first
+        if self.trainer.world_size > 1:  # every rank holds the global count, so rank 0's checkpoint has it
+            tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
+        self.tokens_total += int(tokens)
         self.log("train/loss", loss, prog_bar=True, batch_size=B)
         for name, value in stats.items():
             if not name.startswith("count@"):
@@ -112,20 +120,30 @@ class DraftModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        """acceptance.measure's α and chain walk, on the DataModule's cached held-out features when it has them."""
         feats = self.features(batch).hidden_as(self.head_dtype())
         e = self.eval_cfg
-        sums, counts = alpha_sums(self.head, self.head(feats), feats, e.temperature, e.top_k, e.top_p)
-        step = torch.tensor([sums, counts], dtype=torch.float64, device=self.device)  # [2, K]
-        self._val_sums = step if self._val_sums is None else self._val_sums + step
+        grid = acceptance_grid(self.head, self.head(feats), feats, e.temperature, e.top_k, e.top_p)  # [B, T, K]
+        if self._val_tally is None:
+            self._val_tally = Tally(grid.shape[-1])
+        self._val_tally.add(grid, batch["loss_mask"])
 
     def on_validation_epoch_end(self) -> None:
-        if self._val_sums is None:
+        if self._val_tally is None:
             return
-        total = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")  # exact over every rank's share
-        self._val_sums = None
-        for k, (s, c) in enumerate(total.T.tolist(), start=1):
-            if c:
-                self.log(f"val/alpha@{k}", s / c, rank_zero_only=True)
+        flat = self.trainer.strategy.reduce(self._val_tally.to_tensor().to(self.device), reduce_op="sum")
+        self._val_tally = None  # exact over every rank's share, divided once
+        summary = Tally.from_tensor(flat).summary()
+        taus = {str(g): t for g, t in summary["tau_predicted"].items()}  # str keys: the same after a JSON round trip
+        self.heldout = {"step": self.trainer.global_step, "trained_tokens": self.tokens_total,
+                        "alpha": summary["alpha"], "tau_predicted": taus, "num_tokens": summary["num_tokens"][0]}
+        for k, a in enumerate(summary["alpha"], start=1):
+            self.log(f"val/alpha@{k}", a, rank_zero_only=True)
+        for gamma, tau in summary["tau_predicted"].items():
+            self.log(f"val/tau@{gamma}", tau, rank_zero_only=True)
+        # float64: a float32 count is off by hundreds beyond 2^24 tokens
+        self.log("val/trained_tokens", torch.tensor(float(self.tokens_total), dtype=torch.float64, device=self.device),
+                 rank_zero_only=True)
 
     def configure_optimizers(self):
         o = self.optim_cfg
@@ -144,10 +162,12 @@ class DraftModule(L.LightningModule):
         np_state = np.random.get_state()
         checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                              "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+        checkpoint["trained_tokens_total"] = self.tokens_total
         if torch.cuda.is_available():
             checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.tokens_total = int(checkpoint.get("trained_tokens_total", 0))
         rng = checkpoint.get("rng")
         if not rng:
             return
