@@ -3,7 +3,8 @@
     python scripts/bench_step.py --threads 2 --out step_out
 
 On the same target, threads and cached context (--context tokens), best of --reps interleaved runs:
-- serve/model.py as it runs (few-token projections as W·xᵀ), and with plain nn.Linear (the layout it had before);
+- serve/model.py as it runs (few-token projections as W·xᵀ), and with few-token passes as plain x·Wᵀ
+  (FEW_TOKENS = 0; the one-token path is the same code in both);
 - with --baseline REV: serve/model.py as it was at git revision REV (before/after a change, in the same run);
 - HF's forward with its own cache;
 - serve/model.py with bf16 weights (half the bytes to read; not exact against the fp32 target's greedy text);
@@ -130,7 +131,7 @@ def main():
         finally:
             serve_model.FEW_TOKENS = saved
 
-    methods = {"serve": run, "serve, nn.Linear layout": plain_linear, "hf": HFStep(hf, ids, args.context)}
+    methods = {"serve": run, "serve, few tokens as x·Wᵀ": plain_linear, "hf": HFStep(hf, ids, args.context)}
     if args.baseline:
         methods[f"serve @ {args.baseline}"] = serve_step(model_at(args.baseline).Transformer.from_hf(hf), ids,
                                                          args.context)

@@ -36,10 +36,20 @@ class Linear(nn.Linear):
     scripts/bench_step.py). The verify pass over γ + 1 tokens is what r(γ + 1) measures, so this is the speculative
     speedup's denominator. One token and long prompts keep nn.Linear (no gain there). The result is made
     contiguous again: left as the transposed view, every later op (rotary, SDPA, which then falls back to its
-    math path) ran on hd-major strides and a 4-token pass cost ~25% more."""
+    math path) ran on hd-major strides and a 4-token pass cost ~25% more.
+
+    A one-token step reads a second copy of the weight stored [in, out] (``weight_t``): MKL's x·Wᵀ for one row
+    streams the weights ~25% slower than x·Wt on this CPU (single thread, weights out of cache), and the
+    one-token step is what vanilla decoding and drafting repeat. Few-token passes stay on [out, in], where
+    x·Wt is the slow one (2× at T = 4). The cost is the weights' memory twice over on CPU."""
+
+    weight_t: torch.Tensor | None = None  # [in, out] copy for one-token steps on CPU (set by Transformer.from_hf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[-2]
+        if self.weight_t is not None and T == 1 and x.dim() == 3:
+            out = x @ self.weight_t  # [1, 1, out]
+            return out if self.bias is None else out + self.bias
         if x.device.type != "cpu" or not 1 < T <= FEW_TOKENS or x.dim() != 3 or x.shape[0] != 1:
             return super().forward(x)
         out = (self.weight @ x[0].transpose(0, 1)).transpose(0, 1).contiguous()  # [T, out]
@@ -131,15 +141,21 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module) -> "Transformer":
-        """Share the HF model's tensors (``assign=True``), same device and dtype; only the fused q/k/v and
-        gate/up matrices are new (copies, ~2/3 of a layer's weights)."""
+        """Share the HF model's tensors (``assign=True``), same device and dtype; the fused q/k/v and gate/up
+        matrices and, on CPU, every projection's [in, out] copy (see Linear) are copies made here, so later
+        changes to the HF weights are not seen."""
         rotary = hf_model.model.rotary_emb  # HF computed inv_freq for this rope type (default, llama3, ...)
         model = cls(hf_model.config, rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))
         state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
         if "lm_head.weight" not in state:  # tied embeddings saved once
             state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(fuse_projections(state), strict=True, assign=True)
-        return model.to(hf_model.device).eval().requires_grad_(False)
+        model = model.to(hf_model.device).eval().requires_grad_(False)
+        if model.device.type == "cpu":
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.weight_t = module.weight.t().contiguous()
+        return model
 
     @property
     def device(self) -> torch.device:
