@@ -3,7 +3,9 @@
     python scripts/bench_step.py --threads 2 --out step_out
 
 On the same target, threads and cached context (--context tokens), best of --reps interleaved runs:
-- serve/model.py as it runs (few-token projections as W·xᵀ), and with plain nn.Linear (the layout it had before);
+- serve/model.py as it runs (few-token projections as W·xᵀ), and with few-token passes as plain x·Wᵀ
+  (FEW_TOKENS = 0; the one-token path is the same code in both);
+- with --baseline REV: serve/model.py as it was at git revision REV (before/after a change, in the same run);
 - HF's forward with its own cache;
 - serve/model.py with bf16 weights (half the bytes to read; not exact against the fp32 target's greedy text);
 - the weight-read bound: one pass summing every weight matrix (what a step must at least read);
@@ -14,6 +16,7 @@ Prints ms per one-token step, r(n) = an n-token pass ÷ one token, and each step
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -40,6 +43,7 @@ def parse_args():
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--no-bf16", action="store_true")
+    p.add_argument("--baseline", metavar="REV", help="also time serve/model.py as of this git revision")
     p.add_argument("--out", default="step_out")
     return p.parse_args()
 
@@ -62,6 +66,16 @@ def serve_step(model, ids, context):
     model.setup_cache(context + 32)
     model(ids[:, :context], 0, last_only=True)
     return lambda n: model(ids[:, context : context + n], context)
+
+
+def model_at(rev: str):
+    """serve/model.py as of git revision rev, imported as its own module (it still imports today's heads/)."""
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{rev}:serve/model.py"], cwd=root, capture_output=True, text=True,
+                            check=True).stdout
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"serve_model_{rev}", loader=None))
+    exec(compile(source, f"{rev}:serve/model.py", "exec"), module.__dict__)
+    return module
 
 
 def timings(methods: dict, sizes, reps) -> dict:
@@ -117,7 +131,10 @@ def main():
         finally:
             serve_model.FEW_TOKENS = saved
 
-    methods = {"serve": run, "serve, nn.Linear layout": plain_linear, "hf": HFStep(hf, ids, args.context)}
+    methods = {"serve": run, "serve, few tokens as x·Wᵀ": plain_linear, "hf": HFStep(hf, ids, args.context)}
+    if args.baseline:
+        methods[f"serve @ {args.baseline}"] = serve_step(model_at(args.baseline).Transformer.from_hf(hf), ids,
+                                                         args.context)
     weights = [p for p in model.parameters() if p.dim() == 2]
     methods["weight-read bound"] = lambda n: [w.sum() for w in weights]
     if not args.no_bf16:

@@ -1,7 +1,8 @@
 """The target as the decode loop needs it: a Llama-family forward over a KV cache allocated once.
 
 gpt-fast's shape, reading HF weights: ``Transformer.from_hf(hf_model)`` takes the HF ``LlamaForCausalLM``'s tensors
-as they are (no copy, so the HF model and this one can share memory in a benchmark). The cache holds
+as they are (no copy, so the HF model and this one share memory), except that q/k/v and gate/up are fused into one
+matrix each (fewer, larger matmuls per layer; see scripts/bench_step.py for what each choice measured). The cache holds
 ``max_slots`` rows per layer, indexed by *slot*; a forward over T tokens writes rows start..start+T-1 and attends
 over rows 0..start+T-1. Rotary positions are separate from slots: in a tree, siblings share a position but not a
 slot. Rolling back rejected drafts is just a shorter ``start`` next time (their rows are overwritten); after tree
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.layers import RMSNorm, apply_rotary
+from heads import layers
+from heads.layers import apply_rotary
 
 SUPPORTED = ("llama", "mistral", "qwen2")  # same block; qwen2 only adds q/k/v biases (config.attention_bias)
 
@@ -32,50 +34,72 @@ class Linear(nn.Linear):
     Same product, but MKL's GEMM runs the tall-times-few-columns shape far faster: on the 2-core AMD EPYC this
     project measures on, for SmolLM2-135M's matrices at T = 4, 81 ms against 142 ms per pass (one thread;
     scripts/bench_step.py). The verify pass over γ + 1 tokens is what r(γ + 1) measures, so this is the speculative
-    speedup's denominator. One token and long prompts keep nn.Linear (no gain there)."""
+    speedup's denominator. One token and long prompts keep nn.Linear (no gain there). The result is made
+    contiguous again: left as the transposed view, every later op (rotary, SDPA, which then falls back to its
+    math path) ran on hd-major strides and a 4-token pass cost ~25% more.
+
+    A one-token step reads a second copy of the weight stored [in, out] (``weight_t``): MKL's x·Wᵀ for one row
+    streams the weights ~25% slower than x·Wt on this CPU (single thread, weights out of cache), and the
+    one-token step is what vanilla decoding and drafting repeat. Few-token passes stay on [out, in], where
+    x·Wt is the slow one (2× at T = 4). The cost is the weights' memory twice over on CPU."""
+
+    weight_t: torch.Tensor | None = None  # [in, out] copy for one-token steps on CPU (set by Transformer.from_hf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[-2]
+        if self.weight_t is not None and T == 1 and x.dim() == 3:
+            out = x @ self.weight_t  # [1, 1, out]
+            return out if self.bias is None else out + self.bias
         if x.device.type != "cpu" or not 1 < T <= FEW_TOKENS or x.dim() != 3 or x.shape[0] != 1:
             return super().forward(x)
-        out = (self.weight @ x[0].transpose(0, 1)).transpose(0, 1)  # [T, out]
+        out = (self.weight @ x[0].transpose(0, 1)).transpose(0, 1).contiguous()  # [T, out]
         if self.bias is not None:
             out = out + self.bias
         return out[None]
 
 
+class RMSNorm(layers.RMSNorm):
+    """heads/'s RMSNorm as one fused ATen op (fp32 only: HF normalises low precision in fp32 before the weight)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().forward(x)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
 class Attention(nn.Module):
+    """q, k and v as one matmul (qkv_proj: q rows, then k, then v), rotary on q and k at once."""
+
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, qkv_bias: bool):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = Linear(hidden, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.qkv_proj = Linear(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
         self.o_proj = Linear(num_heads * head_dim, hidden, bias=bias)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
         _, T, _ = x.shape
-        q = self.q_proj(x).view(1, T, self.num_heads, self.head_dim).transpose(1, 2)  # [1, nH, T, hd]
-        k = self.k_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, nKV, T, hd]
-        v = self.v_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        nH, nKV, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(1, T, nH + 2 * nKV, hd).transpose(1, 2)  # [1, nH + 2 nKV, T, hd]
+        qk = apply_rotary(qkv[:, : nH + nKV], cos, sin)
         end = start + T
-        k_cache[:, :, start:end] = k  # a slice, not an index tensor: no host sync, no copy of the prefix
-        v_cache[:, :, start:end] = v
-        o = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(o.transpose(1, 2).reshape(1, T, self.num_heads * self.head_dim))
+        k_cache[:, :, start:end] = qk[:, nH:]  # a slice, not an index tensor: no host sync, no copy of the prefix
+        v_cache[:, :, start:end] = qkv[:, nH + nKV :]
+        o = F.scaled_dot_product_attention(qk[:, :nH], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
+                                           enable_gqa=nH != nKV)
+        return self.o_proj(o.transpose(1, 2).reshape(1, T, nH * hd))
 
 
 class MLP(nn.Module):
+    """gate and up as one matmul (gate_up_proj: gate rows, then up)."""
+
     def __init__(self, hidden: int, inner: int, bias: bool):
         super().__init__()
-        self.gate_proj = Linear(hidden, inner, bias=bias)
-        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class Block(nn.Module):
@@ -117,14 +141,21 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module) -> "Transformer":
-        """Share the HF model's tensors (``assign=True``): no copy, same device and dtype."""
+        """Share the HF model's tensors (``assign=True``), same device and dtype; the fused q/k/v and gate/up
+        matrices and, on CPU, every projection's [in, out] copy (see Linear) are copies made here, so later
+        changes to the HF weights are not seen."""
         rotary = hf_model.model.rotary_emb  # HF computed inv_freq for this rope type (default, llama3, ...)
         model = cls(hf_model.config, rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))
         state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
         if "lm_head.weight" not in state:  # tied embeddings saved once
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(state, strict=True, assign=True)
-        return model.to(hf_model.device).eval().requires_grad_(False)
+        model.load_state_dict(fuse_projections(state), strict=True, assign=True)
+        model = model.to(hf_model.device).eval().requires_grad_(False)
+        if model.device.type == "cpu":
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.weight_t = module.weight.t().contiguous()
+        return model
 
     @property
     def device(self) -> torch.device:
@@ -193,6 +224,22 @@ class Transformer(nn.Module):
         n = src_slots.shape[0]
         self.k_cache[:, :, :, dst : dst + n] = self.k_cache[:, :, :, src_slots]
         self.v_cache[:, :, :, dst : dst + n] = self.v_cache[:, :, :, src_slots]
+
+
+def fuse_projections(state: dict) -> dict:
+    """HF's separate q/k/v and gate/up tensors (weights and any biases) -> qkv_proj and gate_up_proj, per layer."""
+    fused = {}
+    groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    for key, value in state.items():
+        prefix, _, name = key.rpartition(".")  # "layers.3.self_attn.q_proj", "weight"
+        for target, parts in groups.items():
+            if prefix.endswith("." + parts[0]):
+                layer = prefix.removesuffix(parts[0])
+                fused[f"{layer}{target}.{name}"] = torch.cat([state[f"{layer}{part}.{name}"] for part in parts])
+        if not any(prefix.endswith("." + part) for parts in groups.values() for part in parts):
+            fused[key] = value
+    return fused
 
 
 def causal(T: int, dtype, device) -> torch.Tensor:
