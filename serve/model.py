@@ -26,6 +26,7 @@ SUPPORTED = ("llama", "mistral", "qwen2")  # same block; qwen2 only adds q/k/v b
 
 
 FEW_TOKENS = 16  # up to this many tokens a projection runs as W·xᵀ (see Linear)
+WEIGHT_T_MAX_BYTES = 4 << 30  # the [in, out] copies double weight memory: only for targets a CPU box holds twice
 
 
 class Linear(nn.Linear):
@@ -151,10 +152,10 @@ class Transformer(nn.Module):
             state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(fuse_projections(state), strict=True, assign=True)
         model = model.to(hf_model.device).eval().requires_grad_(False)
-        if model.device.type == "cpu":
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.weight_t = module.weight.t().contiguous()
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        if model.device.type == "cpu" and sum(m.weight.nbytes for m in linears) <= WEIGHT_T_MAX_BYTES:
+            for module in linears:
+                module.weight_t = module.weight.t().contiguous()
         return model
 
     @property
