@@ -39,7 +39,7 @@ def test_recipe(name):
 def test_big_target_defaults_replace_the_cpu_toys(target):
     toy = composed("head=eagle3")
     cfg = composed("head=eagle3", f"target={target}")
-    assert (toy.trainer.max_steps, toy.optim.lr, toy.head.hparams.draft_vocab_size) == (200, 2e-3, 8192)
+    assert (toy.trainer.max_steps, toy.optim.lr, toy.head.hparams.draft_vocab_size) == (180, 2e-3, 8192)
     assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.head.hparams.draft_vocab_size) == (1000, 1e-4, 32000)
     assert cfg.head.hparams.num_steps == 7 and cfg.target.chat_format != "chatml"
     assert composed("head=eagle3", f"target={target}", "trainer.max_steps=5").trainer.max_steps == 5  # CLI wins
