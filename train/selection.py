@@ -85,7 +85,7 @@ class BestHead(Callback):
                 if old.name != self.state["best"]["dir"]:
                     shutil.rmtree(old, ignore_errors=True)
         log.info("held-out check at step %d (%d trained tokens): α %s, τ(γ=%s) %.3f%s", check["step"],
-                 check["trained_tokens"], [round(a, 3) for a in check["alpha"]], len(check["alpha"]),
+                 check["trained_tokens"], [round(float(a), 3) for a in check["alpha"]], len(check["alpha"]),
                  score(check, "tau"), "  (best so far)" if is_best else "")
 
     def best(self) -> tuple[DraftHead, dict] | None:
