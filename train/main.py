@@ -273,7 +273,7 @@ def train(cfg: DictConfig) -> dict:
         save_head(heads["best"], out / "head", target.identity(),
                   extra={"train": {**train_info, "steps": head_step, "last_step": step}})
     log.info("head/ holds the step-%d head (kept by held-out %s); the last step %d had α %s", head_step,
-             "τ at γ = K" if ecfg.best_by == "tau" else "α@1", step, [round(a, 3) for a in record["alpha_last"]])
+             "τ at γ = K" if ecfg.best_by == "tau" else "α@1", step, [round(float(a), 3) for a in record["alpha_last"]])
     if trainer.logger:  # the held-out numbers next to the training curves (W&B summary, CSV row)
         metrics = {f"heldout/{key}@{k}": a for key in ("alpha", "alpha_untrained", "alpha_last")
                    for k, a in enumerate(record[key], start=1)}
