@@ -307,10 +307,10 @@ class DraftDataModule(L.LightningDataModule):
             if all(examples[i].hidden is not None for i in idx):
                 continue  # kept from generation
             attn = None if bool(batch["attention_mask"].all()) else batch["attention_mask"].to(device)
-            feats = self.target.features(batch["input_ids"].to(device), None, attn, layers=layers)
+            hidden = self.target.hidden_states(batch["input_ids"].to(device), attn, layers)
             for b, i in enumerate(idx):
                 n = len(examples[i].input_ids)
-                examples[i].hidden = {k: feats.hidden[k][b, :n].cpu() for k in layers}
+                examples[i].hidden = {k: hidden[k][b, :n].cpu() for k in layers}
 
     @staticmethod
     def num_tokens(examples: list[Example]) -> int:

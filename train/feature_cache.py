@@ -65,10 +65,10 @@ def compute(target: Target, examples, layers, batch_size: int) -> list[torch.Ten
         for r, i in enumerate(idx):  # right padding, as training batches are padded
             n = len(examples[i].input_ids)
             ids[r, :n], attn[r, :n] = examples[i].input_ids, 1
-        feats = target.features(ids.to(device), None, None if bool(attn.all()) else attn.to(device), layers=layers)
+        hidden = target.hidden_states(ids.to(device), None if bool(attn.all()) else attn.to(device), layers)
         for r, i in enumerate(idx):
             n = len(examples[i].input_ids)
-            out[i] = torch.cat([feats.hidden[k][r, :n] for k in layers], -1).to(torch.bfloat16).cpu()
+            out[i] = torch.cat([hidden[k][r, :n] for k in layers], -1).to(torch.bfloat16).cpu()
     return out
 
 
