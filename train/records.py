@@ -204,3 +204,13 @@ def split_records(train_files, eval_files, heldout_fraction: float, max_train: i
     overlap = {r.key() for r in train} & {r.key() for r in heldout}
     assert not overlap, f"{len(overlap)} held-out prompts are also training prompts"
     return train, heldout
+
+
+def reference_records(files, heldout: list[Record], max_records: int | None, seed: int) -> list[Record]:
+    """The records of ``files`` that carry their own answers, minus the held-out prompts, a seeded sample of
+    ``max_records`` (its own stream: the distilled slice's sample does not move when this one is resized)."""
+    held = {r.key() for r in heldout}
+    records = [r for r in read_sources(files) if not r.needs_answer and r.key() not in held]
+    if max_records is not None and len(records) > max_records:
+        records = random.Random(seed + 1).sample(records, max_records)
+    return records

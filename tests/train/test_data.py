@@ -194,6 +194,37 @@ def test_self_distillation_answers_and_caches(tmp_path, tiny_target, monkeypatch
     assert [ex.input_ids.tolist() for ex in again.train_examples] == [ex.input_ids.tolist() for ex in data.train_examples]
 
 
+def test_reference_files_train_as_written_beside_answered_prompts(tmp_path, tiny_target, monkeypatch):
+    """reference_files: records with answers are trained on as written (never re-answered), prompt-only ones and
+    held-out prompts are left out, and max_reference_records caps a seeded sample of what is left."""
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"Say {i}."}]}
+                                                 for i in range(3)])
+    answered = [{"messages": [{"role": "user", "content": f"Count to {i}."},
+                              {"role": "assistant", "content": f"reference answer {i}"}]} for i in range(12)]
+    reference = write_jsonl(tmp_path / "ref.jsonl", answered + [{"messages": [{"role": "user", "content": "Hi?"}]}])
+    held = write_jsonl(tmp_path / "eval.jsonl", [{"messages": [{"role": "user", "content": "Count to 0."}]},
+                                                 {"messages": [{"role": "user", "content": "Say 9."}]}])
+    base = {"train_files": [str(prompts)], "eval_files": [str(held)], "reference_files": [str(reference)],
+            "distill": {"max_new_tokens": 4, "batch_size": 4, "samples_per_prompt": 1}}
+    import train.distill
+
+    data = DraftDataModule(DataConfig.from_dict(base), tiny_target)
+    data.prepare()
+    texts = [tiny_target.tokenizer.decode(ex.input_ids) for ex in data.reference_examples]
+    assert len(data.train_examples) == 3 + 11 and len(texts) == 11  # "Count to 0." is held out, "Hi?" has no answer
+    assert sorted(int(t.split("reference answer ")[1][:2].strip("<")) for t in texts) == list(range(1, 12))
+    assert all(data.train_examples[-11 + i] is ex for i, ex in enumerate(data.reference_examples))
+    monkeypatch.setattr(train.distill, "sample", lambda *a, **k: pytest.fail("reference answers are not re-answered"))
+    capped = [DraftDataModule(DataConfig.from_dict({**base, "max_reference_records": 4}), tiny_target)
+              for _ in range(2)]
+    for d in capped:
+        d.prepare()  # the training prompts' answers now come from the cache, so sample() is never called
+    assert [len(d.reference_examples) for d in capped] == [4, 4]
+    assert [e.input_ids.tolist() for e in capped[0].reference_examples] == \
+        [e.input_ids.tolist() for e in capped[1].reference_examples]
+
+
 def test_features_kept_during_generation_match_a_forward_pass(tmp_path, tiny_target, monkeypatch):
     """The hidden states the decode loop keeps are the ones a fresh forward over the final sequence computes."""
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
