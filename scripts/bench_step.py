@@ -51,6 +51,7 @@ def parse_args():
     p.add_argument("--baseline", metavar="REV", help="also time serve/model.py as of this git revision")
     p.add_argument("--llama-poll", type=int, default=50, help="llama-bench --poll: 50 (its default) spins its "
                    "threads between ops, which on a busy machine costs it seconds a token; 0 lets them sleep")
+    p.add_argument("--llama-timeout", type=float, default=60, help="seconds before a llama-bench run is dropped")
     p.add_argument("--out", default="step_out")
     return p.parse_args()
 
@@ -107,7 +108,7 @@ class LlamaBench:
     """llama.cpp's llama-bench on the same target as an f32 GGUF: each call is one repetition (tg = one-token
     steps, pp4 = one 4-token pass, both after the same cached context, -d); ``result()`` keeps the best of each."""
 
-    def __init__(self, target_dir: Path, out: Path, threads: int, context: int, poll: int):
+    def __init__(self, target_dir: Path, out: Path, threads: int, context: int, poll: int, timeout: float):
         venv = VENVS / "llamacpp"
         gguf = out / "target-f32.gguf"
         if not gguf.exists():
@@ -117,17 +118,27 @@ class LlamaBench:
         self.cmd = [str(venv / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "4", "-n", "32",
                     "-d", str(context), "-r", "1", "--poll", str(poll), "-o", "json"]
         self.tg = self.pp4 = 0.0  # best tokens/s seen
+        self.timeout, self.timeouts = timeout, 0
 
     @staticmethod
     def available() -> bool:
         return (VENVS / "llamacpp" / "bin" / "llama-bench").exists()
 
     def __call__(self):
-        rows = json.loads(subprocess.run(self.cmd, capture_output=True, text=True, check=True).stdout)
+        try:  # its threads wait for each other between ops: on a busy machine one run can take minutes
+            proc = subprocess.run(self.cmd, capture_output=True, text=True, check=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.timeouts += 1
+            return
+        rows = json.loads(proc.stdout)
         self.tg = max(self.tg, next(r for r in rows if r["n_gen"] > 0)["avg_ts"])
         self.pp4 = max(self.pp4, next(r for r in rows if r["n_prompt"] == 4)["avg_ts"])
 
-    def result(self) -> dict:  # pp4 is one 4-token pass: 4 / pp4 seconds
+    def result(self) -> dict | None:  # pp4 is one 4-token pass: 4 / pp4 seconds
+        if self.timeouts:
+            print(f"llama.cpp: {self.timeouts} of its runs took over {self.timeout:g} s and were dropped")
+        if not self.tg:
+            return None
         return {"step_s": 1 / self.tg, "pass4_s": 4 / self.pp4, "r4": (4 / self.pp4) * self.tg,
                 "tg_tokens_per_s": self.tg, "pp4_tokens_per_s": self.pp4}
 
@@ -176,7 +187,7 @@ def main():
         methods["serve, bf16 weights"] = serve_step(bf16, ids, args.context)
     target_dir = Path(hf.config._name_or_path) if Path(hf.config._name_or_path).is_dir() else \
         Path.home() / ".cache" / "draftheads" / "targets" / args.target
-    bench = LlamaBench(target_dir, out, args.threads, args.context, args.llama_poll) \
+    bench = LlamaBench(target_dir, out, args.threads, args.context, args.llama_poll, args.llama_timeout) \
         if LlamaBench.available() else None
     if bench is None:
         print(f"llama.cpp: no {VENVS}/llamacpp/bin/llama-bench (run scripts/engine_env.sh llamacpp); skipped")
