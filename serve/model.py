@@ -91,13 +91,14 @@ class Attention(nn.Module):
 
 
 def attend(q, k, v, mask):
-    """SDPA over the cache, on one intra-op thread for a step's few query tokens on CPU.
+    """SDPA over the cache, on one intra-op thread for a pass of a few tokens on CPU.
 
-    CPU SDPA splits a few tokens' attention (9 heads × ≤ 16 rows here) over every OpenMP thread, and that split
-    costs far more than it saves: on the project's 2-core box a one-token SmolLM2-135M step took 157 ms with it
-    against 59 ms with attention on one thread and the projections still on two (loaded machine, best of 12;
-    scripts/bench_step.py prints both). The switch itself is two calls of well under a microsecond; it is
-    process-wide, so two models stepping in parallel threads of one process would see each other's setting."""
+    CPU SDPA splits a few tokens' attention (9 heads × ≤ 16 rows here) over every OpenMP thread, and the split
+    costs far more than it saves: on the project's 2-core box a one-token SmolLM2-135M step took 131 ms with it
+    against 65 ms with attention on one thread and the projections still on two (machine shared with a 2-thread
+    training job, best of 5; scripts/bench_step.py prints both rows). For 2-8 token passes the same runs were too
+    noisy to call either way. The switch costs well under a microsecond; it is process-wide, so two models
+    stepping in parallel threads of one process would see each other's setting."""
     gqa = q.shape[1] != k.shape[1]
     threads = torch.get_num_threads()
     if q.device.type != "cpu" or threads == 1 or q.shape[2] > SERIAL_ATTENTION_TOKENS:
