@@ -4,13 +4,14 @@
 
 On the same target, threads and cached context (--context tokens), best of --reps interleaved runs:
 - serve/model.py as it runs (few-token projections as W·xᵀ), and with few-token passes as plain x·Wᵀ
-  (FEW_TOKENS = 0; the one-token path is the same code in both);
+  (FEW_TOKENS = 0; the one-token path is the same code in both), and with few-token attention split over all
+  --threads (SERIAL_ATTENTION_TOKENS = 0; serve runs it on one thread);
 - with --baseline REV: serve/model.py as it was at git revision REV (before/after a change, in the same run);
 - HF's forward with its own cache;
 - serve/model.py with bf16 weights (half the bytes to read; not exact against the fp32 target's greedy text);
 - the weight-read bound: one pass summing every weight matrix (what a step must at least read);
 - llama.cpp's llama-bench on the same target as an f32 GGUF (tg = one-token step, pp4 = a 4-token pass), when
-  scripts/engine_env.sh llamacpp has built it.
+  scripts/engine_env.sh llamacpp has built it: one repetition after each round of the others, best of --reps.
 Prints ms per one-token step, r(n) = an n-token pass ÷ one token, and each step ÷ llama.cpp's; writes OUT/step.json.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from heads.target import load_target
 from serve import model as serve_model
@@ -43,7 +45,13 @@ def parse_args():
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--no-bf16", action="store_true")
+    p.add_argument("--skip", nargs="+", default=[], choices=["x-wt", "all-threads", "hf", "bound"],
+                   help="leave rows out (a busy machine): few tokens as x·Wᵀ, attention on all threads, HF, "
+                        "the weight-read bound")
     p.add_argument("--baseline", metavar="REV", help="also time serve/model.py as of this git revision")
+    p.add_argument("--llama-poll", type=int, default=50, help="llama-bench --poll: 50 (its default) spins its "
+                   "threads between ops, which on a busy machine costs it seconds a token; 0 lets them sleep")
+    p.add_argument("--llama-timeout", type=float, default=60, help="seconds before a llama-bench run is dropped")
     p.add_argument("--out", default="step_out")
     return p.parse_args()
 
@@ -78,38 +86,61 @@ def model_at(rev: str):
     return module
 
 
-def timings(methods: dict, sizes, reps) -> dict:
-    """Best of reps per (method, n), methods interleaved so load on the machine hits all alike."""
+def timings(methods: dict, sizes, reps, between=None) -> dict:
+    """Best of reps per (method, n), methods interleaved so load on the machine hits all alike; ``between()`` runs
+    once per round after them (llama.cpp's round, so it meets the same load)."""
     best = {name: {n: float("inf") for n in sizes} for name in methods}
     for name, fn in methods.items():
         for n in sizes:
             fn(n)  # warm-up
-    for _ in range(reps):
+    for _ in tqdm(range(reps), desc="rounds", leave=False):
         for name, fn in methods.items():
             for n in sizes:
                 t0 = time.perf_counter()
                 fn(n)
                 best[name][n] = min(best[name][n], time.perf_counter() - t0)
+        if between is not None:
+            between()
     return best
 
 
-def llama_bench(target_dir: Path, out: Path, threads: int, context: int) -> dict | None:
-    venv = VENVS / "llamacpp"
-    if not (venv / "bin" / "llama-bench").exists():
-        print(f"llama.cpp: no {venv}/bin/llama-bench (run scripts/engine_env.sh llamacpp); skipped")
-        return None
-    gguf = out / "target-f32.gguf"
-    if not gguf.exists():
-        subprocess.run([str(venv / "bin" / "python"), str(venv / "llama.cpp" / "convert_hf_to_gguf.py"),
-                        str(target_dir), "--outtype", "f32", "--outfile", str(gguf)], check=True, capture_output=True,
-                       env={**os.environ, "PYTHONPATH": ""})
-    proc = subprocess.run([str(venv / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "4",
-                           "-n", "32", "-d", str(context), "-r", "5", "-o", "json"], capture_output=True, text=True, check=True)
-    rows = json.loads(proc.stdout)
-    tg = next(r for r in rows if r["n_gen"] > 0)["avg_ts"]
-    pp4 = next(r for r in rows if r["n_prompt"] == 4)["avg_ts"]
-    # both after the same cached context (-d); pp4 is one 4-token pass: 4 / pp4 seconds
-    return {"step_s": 1 / tg, "pass4_s": 4 / pp4, "r4": (4 / pp4) * tg, "tg_tokens_per_s": tg, "pp4_tokens_per_s": pp4}
+class LlamaBench:
+    """llama.cpp's llama-bench on the same target as an f32 GGUF: each call is one repetition (tg = one-token
+    steps, pp4 = one 4-token pass, both after the same cached context, -d); ``result()`` keeps the best of each."""
+
+    def __init__(self, target_dir: Path, out: Path, threads: int, context: int, poll: int, timeout: float):
+        venv = VENVS / "llamacpp"
+        gguf = out / "target-f32.gguf"
+        if not gguf.exists():
+            subprocess.run([str(venv / "bin" / "python"), str(venv / "llama.cpp" / "convert_hf_to_gguf.py"),
+                            str(target_dir), "--outtype", "f32", "--outfile", str(gguf)], check=True,
+                           capture_output=True, env={**os.environ, "PYTHONPATH": ""})
+        self.cmd = [str(venv / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "4", "-n", "32",
+                    "-d", str(context), "-r", "1", "--poll", str(poll), "-o", "json"]
+        self.tg = self.pp4 = 0.0  # best tokens/s seen
+        self.timeout, self.timeouts = timeout, 0
+
+    @staticmethod
+    def available() -> bool:
+        return (VENVS / "llamacpp" / "bin" / "llama-bench").exists()
+
+    def __call__(self):
+        try:  # its threads wait for each other between ops: on a busy machine one run can take minutes
+            proc = subprocess.run(self.cmd, capture_output=True, text=True, check=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.timeouts += 1
+            return
+        rows = json.loads(proc.stdout)
+        self.tg = max(self.tg, next(r for r in rows if r["n_gen"] > 0)["avg_ts"])
+        self.pp4 = max(self.pp4, next(r for r in rows if r["n_prompt"] == 4)["avg_ts"])
+
+    def result(self) -> dict | None:  # pp4 is one 4-token pass: 4 / pp4 seconds
+        if self.timeouts:
+            print(f"llama.cpp: {self.timeouts} of its runs took over {self.timeout:g} s and were dropped")
+        if not self.tg:
+            return None
+        return {"step_s": 1 / self.tg, "pass4_s": 4 / self.pp4, "r4": (4 / self.pp4) * self.tg,
+                "tg_tokens_per_s": self.tg, "pp4_tokens_per_s": self.pp4}
 
 
 def main():
@@ -131,19 +162,37 @@ def main():
         finally:
             serve_model.FEW_TOKENS = saved
 
-    methods = {"serve": run, "serve, few tokens as x·Wᵀ": plain_linear, "hf": HFStep(hf, ids, args.context)}
+    def threaded_attention(n):  # the same model with attention split over every thread (SERIAL_ATTENTION_TOKENS = 0)
+        saved, serve_model.SERIAL_ATTENTION_TOKENS = serve_model.SERIAL_ATTENTION_TOKENS, 0
+        try:
+            return run(n)
+        finally:
+            serve_model.SERIAL_ATTENTION_TOKENS = saved
+
+    methods = {"serve": run}
+    if "x-wt" not in args.skip:
+        methods["serve, few tokens as x·Wᵀ"] = plain_linear
+    if args.threads > 1 and "all-threads" not in args.skip:
+        methods["serve, attention on all threads"] = threaded_attention
+    if "hf" not in args.skip:
+        methods["hf"] = HFStep(hf, ids, args.context)
     if args.baseline:
         methods[f"serve @ {args.baseline}"] = serve_step(model_at(args.baseline).Transformer.from_hf(hf), ids,
                                                          args.context)
     weights = [p for p in model.parameters() if p.dim() == 2]
-    methods["weight-read bound"] = lambda n: [w.sum() for w in weights]
+    if "bound" not in args.skip:
+        methods["weight-read bound"] = lambda n: [w.sum() for w in weights]
     if not args.no_bf16:
         bf16 = Transformer.from_hf(load_target(args.target).model.to(torch.bfloat16))
         methods["serve, bf16 weights"] = serve_step(bf16, ids, args.context)
-    best = timings(methods, args.sizes, args.reps)
     target_dir = Path(hf.config._name_or_path) if Path(hf.config._name_or_path).is_dir() else \
         Path.home() / ".cache" / "draftheads" / "targets" / args.target
-    llama = llama_bench(target_dir, out, args.threads, args.context)
+    bench = LlamaBench(target_dir, out, args.threads, args.context, args.llama_poll, args.llama_timeout) \
+        if LlamaBench.available() else None
+    if bench is None:
+        print(f"llama.cpp: no {VENVS}/llamacpp/bin/llama-bench (run scripts/engine_env.sh llamacpp); skipped")
+    best = timings(methods, args.sizes, args.reps, between=bench)
+    llama = bench.result() if bench else None
     rows = []
     for name, t in best.items():
         row = {"method": name, "step_ms": 1e3 * t[1], **{f"r({n})": t[n] / t[1] for n in args.sizes if n > 1}}
@@ -151,17 +200,17 @@ def main():
             row["step / llama.cpp"] = t[1] / llama["step_s"]
         rows.append(row)
     if llama:
-        rows.append({"method": "llama.cpp f32 (llama-bench)", "step_ms": 1e3 * llama["step_s"], "r(4)": llama["r4"],
-                     "step / llama.cpp": 1.0})
+        rows.append({"method": f"llama.cpp f32 (llama-bench, poll {args.llama_poll})",
+                     "step_ms": 1e3 * llama["step_s"], "r(4)": llama["r4"], "step / llama.cpp": 1.0})
     report = {"rows": rows, "llama_bench": llama, "args": vars(args),
               "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                           "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads},
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (out / "step.json").write_text(json.dumps(report, indent=2))
     cols = ["step_ms"] + [f"r({n})" for n in args.sizes if n > 1] + (["step / llama.cpp"] if llama else [])
-    print(f"{'method':30s}" + "".join(f"{c:>18s}" for c in cols))
+    print(f"{'method':40s}" + "".join(f"{c:>18s}" for c in cols))
     for row in rows:
-        print(f"{row['method']:30s}" + "".join(f"{row[c]:18.2f}" if c in row else f"{'':18s}" for c in cols))
+        print(f"{row['method']:40s}" + "".join(f"{row[c]:18.2f}" if c in row else f"{'':18s}" for c in cols))
 
 
 if __name__ == "__main__":

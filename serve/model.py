@@ -26,6 +26,7 @@ SUPPORTED = ("llama", "mistral", "qwen2")  # same block; qwen2 only adds q/k/v b
 
 
 FEW_TOKENS = 16  # up to this many tokens a projection runs as W·xᵀ (see Linear)
+SERIAL_ATTENTION_TOKENS = 16  # up to this many tokens attention runs on one CPU thread (see attend; 0: never)
 WEIGHT_T_MAX_BYTES = 4 << 30  # the [in, out] copies double weight memory: only for targets a CPU box holds twice
 
 
@@ -85,9 +86,28 @@ class Attention(nn.Module):
         end = start + T
         k_cache[:, :, start:end] = qk[:, nH:]  # a slice, not an index tensor: no host sync, no copy of the prefix
         v_cache[:, :, start:end] = qkv[:, nH + nKV :]
-        o = F.scaled_dot_product_attention(qk[:, :nH], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
-                                           enable_gqa=nH != nKV)
+        o = attend(qk[:, :nH], k_cache[:, :, :end], v_cache[:, :, :end], mask)
         return self.o_proj(o.transpose(1, 2).reshape(1, T, nH * hd))
+
+
+def attend(q, k, v, mask):
+    """SDPA over the cache, on one intra-op thread for a pass of a few tokens on CPU.
+
+    CPU SDPA splits a few tokens' attention (9 heads × ≤ 16 rows here) over every OpenMP thread, and the split
+    costs far more than it saves: on the project's 2-core box a one-token SmolLM2-135M step took 131 ms with it
+    against 65 ms with attention on one thread and the projections still on two (machine shared with a 2-thread
+    training job, best of 5; scripts/bench_step.py prints both rows). For 2-8 token passes the same runs were too
+    noisy to call either way. The switch costs well under a microsecond; it is process-wide, so two models
+    stepping in parallel threads of one process would see each other's setting."""
+    gqa = q.shape[1] != k.shape[1]
+    threads = torch.get_num_threads()
+    if q.device.type != "cpu" or threads == 1 or q.shape[2] > SERIAL_ATTENTION_TOKENS:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    torch.set_num_threads(1)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class MLP(nn.Module):

@@ -36,6 +36,17 @@ def test_equals_hf_tiny(tiny_target):
     check_chunks(tiny_target)
 
 
+def test_two_threads_equals_hf(tiny_target):
+    """On two intra-op threads a pass of up to SERIAL_ATTENTION_TOKENS runs attention on one (serve.model.attend):
+    chunks of 23 (threaded), 1, 7 and 9 tokens still equal HF, and both threads are handed back."""
+    torch.set_num_threads(2)
+    try:
+        check_chunks(tiny_target)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+
 @pytest.mark.shared
 def test_equals_hf_stories(stories_target):
     check_chunks(stories_target)
