@@ -16,15 +16,17 @@ import hashlib
 import json
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from heads import chat
 from heads.sampling import probs_from_logits
 from heads.target import Target, cache_dir
-from train.kv_cache import slot_cache
+from train.kv_cache import RowCache
 from train.records import Record
 
 log = logging.getLogger(__name__)
@@ -47,72 +49,101 @@ def stop_ids(target: Target) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def _seed(cfg: DistillConfig, i: int) -> int:
+    return cfg.seed * 1_000_003 + i  # prompt i's own stream: its sample never depends on which batch it shares
+
+
+@torch.no_grad()
+def prefill(model, ids: list[int], cache: RowCache, row: int, room: int, layers=()):
+    """The prompt alone (no padding: exactly what a one-prompt run computes), copied into ``row`` of ``cache``.
+    Returns the logits of its next token and, when ``layers`` is non-empty, the prompt's hidden states."""
+    device = next(model.parameters()).device
+    alone = DynamicCache()
+    out = model(input_ids=torch.tensor([ids], device=device), cache=alone, use_cache=True,
+                output_hidden_states=bool(layers), logits_to_keep=1)  # the lm_head only where we sample
+    cache.put(row, alone, room)
+    return out.logits[0, -1], {k: out.hidden_states[k][0] for k in layers}
+
+
+def draw(logits: torch.Tensor, cfg: DistillConfig, gens: list[torch.Generator | None]) -> list[int]:
+    """One token per row of [B, V] logits; each row draws from its own prompt's generator."""
+    if cfg.temperature <= 0:
+        return logits.argmax(-1).tolist()  # what multinomial on probs_from_logits' one-hot would pick
+    probs = probs_from_logits(logits, cfg.temperature, 0, cfg.top_p)
+    return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
+
+
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], cfg: DistillConfig, stop: list[int], pad_id: int, layers=(),
            desc: str = "sampling"):
-    """Batched sampling with a KV cache.
+    """Continuous batching: ``batch_size`` rows decode together, and a row whose answer ended takes the next prompt
+    (prompts go in by length, so rows sharing a step have similar lengths and attention spans).
 
-    Returns (new tokens per prompt, the stop token included when reached; and when ``layers`` is non-empty, per
-    prompt {k: [len(prompt) + len(new), H]} hidden states, i.e. HF ``hidden_states[k]`` of every token).
+    Every prompt's answer is the one it gets decoded alone: its prefill runs alone, its decode steps see only its
+    own slots (train/kv_cache.py), and a sampled token comes from the prompt's own generator (seed from
+    ``cfg.seed`` and its index). Returns (new tokens per prompt, the stop token included when reached; and when
+    ``layers`` is non-empty, per prompt {k: [len(prompt) + len(new), H]}, i.e. HF ``hidden_states[k]`` of every
+    token).
     """
     device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths -> little left padding
+    queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
     tokens: list[list[int]] = [[] for _ in prompts]
     hidden: list[dict[int, list[torch.Tensor]]] = [{k: [] for k in layers} for _ in prompts]
-    stop_t = torch.tensor(stop, device=device)
+    gens: list[torch.Generator | None] = [None] * len(prompts)
+    stop_set = set(stop)
+    slots: list[int | None] = [None] * min(cfg.batch_size, len(prompts))  # prompt index of each row, None: free
+    cache = RowCache(model, len(slots))
+    logits = None  # [rows, V]: each occupied row's next-token logits
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
-    for b0 in range(0, len(order), cfg.batch_size):
-        rows = order[b0:b0 + cfg.batch_size]
-        gen = torch.Generator(device=device).manual_seed(cfg.seed + b0)
-        T = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), T), pad_id, dtype=torch.long, device=device)
-        # the 2-D mask for prompt + every answer slot, allocated once; each step passes its first columns
-        mask = torch.ones((len(rows), T + cfg.max_new_tokens), dtype=torch.long, device=device)
-        for r, i in enumerate(rows):  # left padding: every row's next token lands in the same column
-            ids[r, T - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, :T - len(prompts[i])] = 0
-        positions = (mask[:, :T].cumsum(-1) - 1).clamp_min(0)
-        cache = slot_cache(model, T + cfg.max_new_tokens)
-        out = model(input_ids=ids, attention_mask=mask[:, :T], position_ids=positions, cache=cache, use_cache=True,
-                    output_hidden_states=bool(layers), logits_to_keep=1)  # the lm_head only where we sample
-        for r, i in enumerate(rows):
+    while True:
+        for r in range(len(slots)):
+            if slots[r] is None and queue:
+                i = slots[r] = queue.popleft()
+                row_logits, h = prefill(model, prompts[i], cache, r, cfg.max_new_tokens, layers)
+                if logits is None:
+                    logits = row_logits.new_empty(len(slots), row_logits.shape[-1])
+                logits[r] = row_logits
+                for k in layers:
+                    hidden[i][k].append(h[k])
+                if cfg.temperature > 0:
+                    gens[i] = torch.Generator(device=device).manual_seed(_seed(cfg, i))
+        live = [r for r, i in enumerate(slots) if i is not None]
+        if not live:
+            break
+        # once nothing is left to refill, free rows only cost compute: drop them when a quarter of the batch is idle
+        if not queue and len(slots) - len(live) >= len(slots) / 4:
+            cache.select(live)
+            logits, slots = logits[live], [slots[r] for r in live]
+            live = list(range(len(slots)))
+        feed = [pad_id] * len(slots)
+        finishing = []  # rows fed their last token only so that its hidden states are kept
+        for r, t in zip(live, draw(logits[live], cfg, [gens[slots[r]] for r in live])):
+            i = slots[r]
+            tokens[i].append(t)
+            done = t in stop_set or len(tokens[i]) == cfg.max_new_tokens
+            if done:
+                bar.update(1)
+            if done and not layers:
+                cache.free(r)
+                slots[r] = None
+            else:
+                feed[r] = t
+                if done:
+                    finishing.append(r)
+        fed = [r for r in live if slots[r] is not None]
+        if not fed:
+            continue  # every live row just finished: refill or stop
+        positions, mask = cache.begin_step()
+        out = model(input_ids=torch.tensor(feed, device=device)[:, None], attention_mask=mask, position_ids=positions,
+                    cache=cache, use_cache=True, output_hidden_states=bool(layers))
+        cache.end_step()
+        logits = out.logits[:, -1]
+        for r in fed:
             for k in layers:
-                hidden[i][k].append(out.hidden_states[k][r, T - len(prompts[i]):])
-        logits = out.logits[:, -1]  # [B, V]
-        slots: list[int | None] = list(rows)  # prompt index of each batch row; None once it finished
-        for step in range(cfg.max_new_tokens):
-            live = [r for r, i in enumerate(slots) if i is not None]
-            # finished rows stay in the batch until compacted, but draw nothing: the generator's stream (and so
-            # every sampled token) is the one of a batch holding only the live rows
-            probs = probs_from_logits(logits[live] if len(live) < len(slots) else logits, cfg.temperature, 0,
-                                      cfg.top_p)
-            drawn = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # [live]
-            for r, t in zip(live, drawn.tolist()):
-                tokens[slots[r]].append(t)
-            done = torch.isin(drawn, stop_t) | (step == cfg.max_new_tokens - 1)
-            nxt = torch.full((len(slots),), pad_id, dtype=torch.long, device=device)
-            nxt[live] = drawn
-            positions = positions[:, -1:] + 1
-            if layers or not done.all():  # with layers, finished rows read their last token once more
-                out = model(input_ids=nxt[:, None], attention_mask=mask[:, :T + step + 1], position_ids=positions,
-                            cache=cache, use_cache=True, output_hidden_states=bool(layers))
-                logits = out.logits[:, -1]
-                for r in live:
-                    for k in layers:
-                        hidden[slots[r]][k].append(out.hidden_states[k][r])
-            if done.any():
-                bar.update(int(done.sum()))
-                for r in (torch.tensor(live)[done]).tolist():
-                    slots[r] = None
-                keep = [r for r, i in enumerate(slots) if i is not None]
-                if not keep:
-                    break
-                # dropping rows copies the whole cache: worth it once a quarter of the batch computes for nothing
-                if len(slots) - len(keep) >= len(slots) / 4:
-                    idx = torch.tensor(keep, device=device)
-                    cache.batch_select_indices(idx)
-                    mask, positions, logits = mask[idx], positions[idx], logits[idx]
-                    slots = [slots[r] for r in keep]
+                hidden[slots[r]][k].append(out.hidden_states[k][r])
+        for r in finishing:
+            cache.free(r)
+            slots[r] = None
     bar.close()
     feats = [{k: torch.cat(h[k]) for k in layers} for h in hidden] if layers else None
     return tokens, feats
