@@ -4,12 +4,15 @@ Only what the head reads is kept: its tapped layers plus the last (post-norm) st
 recomputes the target's logits with the lm_head. Values are bf16 (stored as int16 bit patterns in ``.npy`` files,
 since numpy has no bf16), one shard per ``shard_size`` training sequences: ``[tokens, len(layers) * H]`` rows with
 the sequences back to back. The directory is keyed by the target's identity, a hash of the tokenised training
-data, the layer ids and max_len (``key.json``); a directory built for anything else is refused. Shards are written
-to a temp file and renamed, and a shard whose size or shape is not what ``key.json`` promises is rebuilt, never read.
+data, the layer ids and max_len (``key.json``); a directory built for anything else is refused, except that one
+holding more layers than asked serves the layers it has (an EAGLE-3 cache, layers 2/15/27/30, feeds a Medusa,
+EAGLE-1 or MTP run on the same data, which reads only layer 30). Shards are written to a temp file and renamed, and a
+shard whose size or shape is not what ``key.json`` promises is rebuilt, never read.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from heads.target import Target
+from heads.target import Target, cache_dir
 from train.regenerate import open_keyed_dir, write_atomic
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,23 @@ def cache_key(target: Target, examples, layers, max_len: int, shard_size: int) -
             "lengths": [len(ex.input_ids) for ex in examples]}
 
 
+def superset_dir(root: str | None, target: Target, key: dict) -> tuple[Path, list[int]] | None:
+    """A cache directory whose key equals ``key`` but for holding more layers, and its layers; else None.
+    ``root`` (data.feature_dir) is the only candidate when set; else every per-key directory of this target."""
+    if root:
+        candidates = [Path(root) / "key.json"]
+    else:
+        candidates = sorted((cache_dir() / "features").glob(f"{target.name.replace('/', '_')}-*/key.json"))
+    for key_file in candidates:
+        try:
+            old = json.loads(key_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if old != key and {**old, "layers": key["layers"]} == key and set(key["layers"]) < set(old["layers"]):
+            return key_file.parent, old["layers"]
+    return None
+
+
 def read_shard(path: Path, tokens: int, width: int) -> np.ndarray | None:
     """The shard memory-mapped (copy-on-write: torch wants writable arrays, the file is never written), or None."""
     try:
@@ -55,7 +75,7 @@ def compute(target: Target, examples, layers, batch_size: int) -> list[torch.Ten
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i].input_ids))
     for b0 in range(0, len(order), batch_size):
         idx = order[b0:b0 + batch_size]
-        if all(examples[i].hidden is not None for i in idx):
+        if all(examples[i].hidden is not None and set(layers) <= set(examples[i].hidden) for i in idx):
             for i in idx:
                 out[i] = torch.cat([examples[i].hidden[k] for k in layers], -1).to(torch.bfloat16)
             continue
@@ -75,10 +95,15 @@ def compute(target: Target, examples, layers, batch_size: int) -> list[torch.Ten
 def attach(target: Target, examples, layers, max_len: int, root: str | None = None, shard_size: int = 512,
            batch_size: int = 8) -> dict:
     """Give every example ``hidden`` {k: [T, H] bf16 memory-mapped view}, building missing shards first."""
-    layers = sorted(set(layers))
+    wanted = sorted(set(layers))
     H = target.dims.hidden_size
-    key = cache_key(target, examples, layers, max_len, shard_size)
-    path = open_keyed_dir(root, "features", target, key, "data.feature_dir")
+    key = cache_key(target, examples, wanted, max_len, shard_size)
+    found = superset_dir(root, target, key)
+    if found:  # a cache built for a head that reads more layers: read our columns out of its shards
+        path, layers = found
+        log.info("feature cache %s holds layers %s; reading %s from it", path, layers, wanted)
+    else:
+        path, layers = open_keyed_dir(root, "features", target, key, "data.feature_dir"), wanted
     shards = [range(s, min(s + shard_size, len(examples))) for s in range(0, len(examples), shard_size)]
     width, built = len(layers) * H, 0
     for s, idx in enumerate(tqdm(shards, desc="feature cache", unit="shard", leave=False)):
@@ -95,10 +120,11 @@ def attach(target: Target, examples, layers, max_len: int, root: str | None = No
         offset = 0
         for i in idx:
             n = len(examples[i].input_ids)
-            examples[i].hidden = {k: flat[offset:offset + n, j * H:(j + 1) * H] for j, k in enumerate(layers)}
+            examples[i].hidden = {k: flat[offset:offset + n, j * H:(j + 1) * H] for j, k in enumerate(layers)
+                                  if k in wanted}
             offset += n
-    info = {"dir": str(path), "shards": len(shards), "shards_built": built, "layers": layers,
-            "bytes_per_token": width * 2, "tokens": sum(key["lengths"])}
+    info = {"dir": str(path), "shards": len(shards), "shards_built": built, "layers": wanted,
+            "layers_on_disk": layers, "bytes_per_token": width * 2, "tokens": sum(key["lengths"])}
     log.info("feature cache %s: %d shards (%d built now), %d tokens, %d bytes/token", path, len(shards), built,
              info["tokens"], info["bytes_per_token"])
     return info

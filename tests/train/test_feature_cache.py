@@ -41,7 +41,37 @@ def test_cached_training_follows_online_training(fast_cfg, tmp_path):
                              f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "rebuilt"))
     assert rebuilt["feature_cache"]["shards_built"] == 1 and losses(tmp_path / "rebuilt") == b
 
-    with pytest.raises(UserError, match="made with other layers.*delete it or set data.feature_dir"):
-        train(fast_cfg("head=medusa", "data.cache_features=true", "data.features_on_disk=true",
-                       f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "medusa"))
+    # A head reading fewer layers (Medusa: the last only) is served by this EAGLE-3 cache, as by a cache of its own.
+    medusa = ("head=medusa", "logger=csv", "trainer.max_steps=10", "seed=3", "data.cache_features=true",
+              "data.features_on_disk=true")
+    shared = train(fast_cfg(*medusa, f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "medusa"))
+    assert shared["feature_cache"]["shards_built"] == 0 and shared["feature_cache"]["layers"] == [info["layers"][-1]]
+    own = train(fast_cfg(*medusa, f"data.feature_dir={tmp_path / 'medusa-feats'}", out=tmp_path / "medusa-own"))
+    assert own["feature_cache"]["shards_built"] == own["feature_cache"]["shards"]
+    assert losses(tmp_path / "medusa") == losses(tmp_path / "medusa-own")  # the same bf16 values, read elsewhere
     assert json.loads((tmp_path / "feats" / "key.json").read_text())["layers"] == info["layers"]
+
+    with pytest.raises(UserError, match="made with other layers.*delete it or set data.feature_dir"):
+        train(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
+                       f"data.feature_dir={tmp_path / 'medusa-feats'}", out=tmp_path / "eagle3-on-medusa"))
+
+
+def test_default_cache_dirs_serve_a_subset_of_their_layers(tmp_path, monkeypatch):
+    """With no data.feature_dir, any per-key directory of the same target and data holding more layers is found."""
+    from types import SimpleNamespace
+
+    from train.feature_cache import superset_dir
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
+    key = {"version": 1, "target": {"name": "t"}, "data_sha256": "abc", "layers": [30], "max_len": 512}
+    made = {"t-1": {**key, "layers": [2, 15, 27, 30]}, "t-2": {**key, "data_sha256": "other", "layers": [2, 30]},
+            "u-3": {**key, "layers": [1, 30]}}  # another target's name
+    for name, k in made.items():
+        (tmp_path / "features" / name).mkdir(parents=True)
+        (tmp_path / "features" / name / "key.json").write_text(json.dumps(k))
+    target = SimpleNamespace(name="t")
+    assert superset_dir(None, target, key) == (tmp_path / "features" / "t-1", [2, 15, 27, 30])
+    assert superset_dir(None, target, {**key, "layers": [2, 3, 30]}) is None  # layer 3 is nowhere
+    assert superset_dir(None, target, {**key, "max_len": 256}) is None
+    assert superset_dir(str(tmp_path / "features" / "t-2"), target, {**key, "data_sha256": "other"}) == \
+        (tmp_path / "features" / "t-2", [2, 30])
