@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve.model import Transformer
+from serve.model import Linear, Transformer
 from serve.verify import tree_attention_bias, tree_depths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,6 +43,23 @@ def test_two_threads_equals_hf(tiny_target):
     try:
         check_chunks(tiny_target)
         assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_one_token_product_on_two_threads_is_x_times_wt(tiny_target):
+    """A one-token projection on two threads (a bmm over the [in, out] copy's column halves) equals x @ Wt bit for
+    bit, for every projection and an odd-width one (which keeps x @ Wt)."""
+    model = Transformer.from_hf(tiny_target.model)
+    odd = Linear(16, 7)
+    odd.weight_t = odd.weight.detach().t().contiguous()
+    g = torch.Generator().manual_seed(0)
+    torch.set_num_threads(2)
+    try:
+        for lin in [m for m in model.modules() if isinstance(m, Linear)] + [odd]:
+            x = torch.randn(1, 1, lin.in_features, generator=g)
+            expected = x @ lin.weight_t + (0 if lin.bias is None else lin.bias)
+            assert torch.equal(lin(x), expected)
     finally:
         torch.set_num_threads(1)
 
