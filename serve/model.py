@@ -48,8 +48,8 @@ class Linear(nn.Linear):
     With more than one thread the product runs as one ``bmm`` over the copy's two column halves (a strided view,
     no second copy): MKL computes a one-row product on one thread however many it is given, while ``bmm`` hands
     each half to its own thread. Whole one-token step, 2 threads, the two layouts interleaved in one process
-    (60 rounds, three processes): 0.87-0.90× of x·Wt's time. On one thread the halves cost ~20% more, so one
-    thread keeps x·Wt. The halves are the same columns: the result is bit-identical to x·Wt."""
+    (60 rounds; five processes, either built first): 0.86-0.90× of x·Wt's time. On one thread the halves cost
+    ~20% more, so one thread keeps x·Wt. The halves are the same columns: the result is bit-identical to x·Wt."""
 
     weight_t: torch.Tensor | None = None  # [in, out] copy for one-token steps on CPU (set by Transformer.from_hf)
 
