@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from heads.target import Target, cache_dir
-from train.regenerate import open_keyed_dir, write_atomic
+from train.regenerate import keyed_dir, open_keyed_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +41,26 @@ def cache_key(target: Target, examples, layers, max_len: int, shard_size: int) -
             "lengths": [len(ex.input_ids) for ex in examples]}
 
 
+def read_key(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "key.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def superset_dir(root: str | None, target: Target, key: dict) -> tuple[Path, list[int]] | None:
     """A cache directory whose key equals ``key`` but for holding more layers, and its layers; else None.
-    ``root`` (data.feature_dir) is the only candidate when set; else every per-key directory of this target."""
+    ``root`` (data.feature_dir) is the only candidate when set; else every per-key directory of this target.
+    A directory made for exactly ``key`` wins: it may be complete where a bigger one is half built."""
+    if read_key(keyed_dir(root, "features", target, key)) == key:
+        return None
     if root:
         candidates = [Path(root) / "key.json"]
     else:
         candidates = sorted((cache_dir() / "features").glob(f"{target.name.replace('/', '_')}-*/key.json"))
     for key_file in candidates:
-        try:
-            old = json.loads(key_file.read_text())
-        except (OSError, ValueError):
-            continue
-        if old != key and {**old, "layers": key["layers"]} == key and set(key["layers"]) < set(old["layers"]):
+        old = read_key(key_file.parent)
+        if old and {**old, "layers": key["layers"]} == key and set(key["layers"]) < set(old["layers"]):
             return key_file.parent, old["layers"]
     return None
 

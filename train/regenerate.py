@@ -94,11 +94,15 @@ def write_atomic(path: Path, write, option: str = "distill.out_dir") -> None:
                         "then run again: finished shards are kept") from e
 
 
-def open_keyed_dir(explicit: str | None, kind: str, target: Target, key: dict, option: str) -> Path:
-    """``explicit`` or ~/.cache/draftheads/<kind>/<target>-<hash of key>; a directory made for another key is
-    refused."""
+def keyed_dir(explicit: str | None, kind: str, target: Target, key: dict) -> Path:
+    """``explicit`` or ~/.cache/draftheads/<kind>/<target>-<hash of key> (not created)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    out = Path(explicit) if explicit else cache_dir() / kind / f"{target.name.replace('/', '_')}-{digest}"
+    return Path(explicit) if explicit else cache_dir() / kind / f"{target.name.replace('/', '_')}-{digest}"
+
+
+def open_keyed_dir(explicit: str | None, kind: str, target: Target, key: dict, option: str) -> Path:
+    """``keyed_dir``, created; a directory made for another key is refused."""
+    out = keyed_dir(explicit, kind, target, key)
     out.mkdir(parents=True, exist_ok=True)
     key_file = out / "key.json"
     if key_file.exists():

@@ -61,6 +61,7 @@ def test_default_cache_dirs_serve_a_subset_of_their_layers(tmp_path, monkeypatch
     from types import SimpleNamespace
 
     from train.feature_cache import superset_dir
+    from train.regenerate import keyed_dir
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
     key = {"version": 1, "target": {"name": "t"}, "data_sha256": "abc", "layers": [30], "max_len": 512}
@@ -75,3 +76,7 @@ def test_default_cache_dirs_serve_a_subset_of_their_layers(tmp_path, monkeypatch
     assert superset_dir(None, target, {**key, "max_len": 256}) is None
     assert superset_dir(str(tmp_path / "features" / "t-2"), target, {**key, "data_sha256": "other"}) == \
         (tmp_path / "features" / "t-2", [2, 30])
+    exact = keyed_dir(None, "features", target, key)  # a directory of its own, maybe complete: it wins
+    exact.mkdir(parents=True)
+    (exact / "key.json").write_text(json.dumps(key))
+    assert superset_dir(None, target, key) is None
