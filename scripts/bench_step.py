@@ -6,7 +6,9 @@ On the same target, threads and cached context (--context tokens), best of --rep
 - serve/model.py as it runs (few-token projections as W·xᵀ), and with few-token passes as plain x·Wᵀ
   (FEW_TOKENS = 0; the one-token path is the same code in both), and with few-token attention split over all
   --threads (SERIAL_ATTENTION_TOKENS = 0; serve runs it on one thread);
-- with --baseline REV: serve/model.py as it was at git revision REV (before/after a change, in the same run);
+- with --baseline REV: serve/model.py as it was at git revision REV (before/after a change, in the same run), and
+  --ab-steps one-token steps of the two alternating, whose median per-pair ratio is steadier than best-of-reps
+  (on a shared 2-core VM best-of-7 whole steps swing ±15% run to run; a pair sees the same moment);
 - HF's forward with its own cache;
 - serve/model.py with bf16 weights (half the bytes to read; not exact against the fp32 target's greedy text);
 - the weight-read bound: one pass summing every weight matrix (what a step must at least read);
@@ -21,6 +23,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from datetime import datetime, timezone
@@ -49,6 +52,7 @@ def parse_args():
                    help="leave rows out (a busy machine): few tokens as x·Wᵀ, attention on all threads, HF, "
                         "the weight-read bound")
     p.add_argument("--baseline", metavar="REV", help="also time serve/model.py as of this git revision")
+    p.add_argument("--ab-steps", type=int, default=60, help="with --baseline: alternating one-token step pairs")
     p.add_argument("--llama-poll", type=int, default=50, help="llama-bench --poll: 50 (its default) spins its "
                    "threads between ops, which on a busy machine costs it seconds a token; 0 lets them sleep")
     p.add_argument("--llama-timeout", type=float, default=60, help="seconds before a llama-bench run is dropped")
@@ -102,6 +106,19 @@ def timings(methods: dict, sizes, reps, between=None) -> dict:
         if between is not None:
             between()
     return best
+
+
+def paired_ratio(new, old, steps: int) -> float:
+    """Median of new/old over one-token steps taken in pairs, the order flipped every pair."""
+    ratios = []
+    for i in tqdm(range(steps), desc="pairs", leave=False):
+        pair = {}
+        for name, fn in ((("new", new), ("old", old)) if i % 2 else (("old", old), ("new", new))):
+            t0 = time.perf_counter()
+            fn(1)
+            pair[name] = time.perf_counter() - t0
+        ratios.append(pair["new"] / pair["old"])
+    return statistics.median(ratios)
 
 
 class LlamaBench:
@@ -193,6 +210,9 @@ def main():
         print(f"llama.cpp: no {VENVS}/llamacpp/bin/llama-bench (run scripts/engine_env.sh llamacpp); skipped")
     best = timings(methods, args.sizes, args.reps, between=bench)
     llama = bench.result() if bench else None
+    paired = None
+    if args.baseline and args.ab_steps:
+        paired = paired_ratio(methods["serve"], methods[f"serve @ {args.baseline}"], args.ab_steps)
     rows = []
     for name, t in best.items():
         row = {"method": name, "step_ms": 1e3 * t[1], **{f"r({n})": t[n] / t[1] for n in args.sizes if n > 1}}
@@ -202,7 +222,7 @@ def main():
     if llama:
         rows.append({"method": f"llama.cpp f32 (llama-bench, poll {args.llama_poll})",
                      "step_ms": 1e3 * llama["step_s"], "r(4)": llama["r4"], "step / llama.cpp": 1.0})
-    report = {"rows": rows, "llama_bench": llama, "args": vars(args),
+    report = {"rows": rows, "llama_bench": llama, "args": vars(args), "serve_over_baseline_paired": paired,
               "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                           "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads},
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -211,6 +231,9 @@ def main():
     print(f"{'method':40s}" + "".join(f"{c:>18s}" for c in cols))
     for row in rows:
         print(f"{row['method']:40s}" + "".join(f"{row[c]:18.2f}" if c in row else f"{'':18s}" for c in cols))
+    if paired is not None:
+        print(f"one-token step, serve ÷ serve @ {args.baseline}: {paired:.3f} (median over {args.ab_steps} "
+              "alternating pairs)")
 
 
 if __name__ == "__main__":
