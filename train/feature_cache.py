@@ -8,12 +8,18 @@ data, the layer ids and max_len (``key.json``); a directory built for anything e
 holding more layers than asked serves the layers it has (an EAGLE-3 cache, layers 2/15/27/30, feeds a Medusa,
 EAGLE-1 or MTP run on the same data, which reads only layer 30). Shards are written to a temp file and renamed, and a
 shard whose size or shape is not what ``key.json`` promises is rebuilt, never read.
+
+``shards.json`` lists a hash of each shard's sequences. A shard another cache directory of the same target, layers,
+max_len and shard size already holds is hard-linked from there instead of computed: data that grows (6,000 reference
+records, then 14,000 of the same seeded sample) pays the feature pass only for its new shards.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +71,43 @@ def superset_dir(root: str | None, target: Target, key: dict) -> tuple[Path, lis
     return None
 
 
+def donor_shards(root: str | None, target: Target, key: dict, into: Path) -> dict[str, Path]:
+    """{shard hash: shard file} of the other per-key directories of this target whose shards hold the same layers,
+    max_len and shard size (their ``shards.json``). None with an explicit data.feature_dir: the directories next to
+    it are the user's, not ours to read."""
+    if root:
+        return {}
+    same = {k: v for k, v in key.items() if k not in ("data_sha256", "lengths")}
+    found: dict[str, Path] = {}
+    for key_file in sorted((cache_dir() / "features").glob(f"{target.name.replace('/', '_')}-*/key.json")):
+        old = read_key(key_file.parent)
+        if key_file.parent == into or not old or {k: v for k, v in old.items() if k in same} != same:
+            continue
+        try:
+            hashes = json.loads((key_file.parent / "shards.json").read_text())["shard_sha256"]
+        except (OSError, ValueError, KeyError):
+            continue
+        found.update({h: key_file.parent / f"shard-{s:05d}.npy" for s, h in enumerate(hashes) if h not in found})
+    return found
+
+
+def link_shard(donor: Path, file: Path, tokens: int, width: int) -> bool:
+    """Hard-link (or copy, across file systems) a complete donor shard to ``file``; False if the donor is not whole.
+    Shards are only ever replaced by rename, never written in place, so a shared inode never changes under a reader."""
+    if read_shard(donor, tokens, width) is None:
+        return False
+    tmp = file.with_name(f"{file.name}.{os.getpid()}.link")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.link(donor, tmp)
+        os.replace(tmp, file)
+    except OSError:  # another file system, or no hard links: a copy, as atomic as a built shard
+        tmp.unlink(missing_ok=True)
+        with open(donor, "rb") as src:
+            write_atomic(file, lambda f: shutil.copyfileobj(src, f), "data.feature_dir")
+    return True
+
+
 def read_shard(path: Path, tokens: int, width: int) -> np.ndarray | None:
     """The shard memory-mapped (copy-on-write: torch wants writable arrays, the file is never written), or None."""
     try:
@@ -112,11 +155,19 @@ def attach(target: Target, examples, layers, max_len: int, root: str | None = No
     else:
         path, layers = open_keyed_dir(root, "features", target, key, "data.feature_dir"), wanted
     shards = [range(s, min(s + shard_size, len(examples))) for s in range(0, len(examples), shard_size)]
-    width, built = len(layers) * H, 0
+    hashes = [data_hash(examples[i] for i in idx) for idx in shards]
+    manifest = json.dumps({"shard_sha256": hashes}).encode()  # what this data's shards hold, for later donors
+    if not (path / "shards.json").exists() or (path / "shards.json").read_bytes() != manifest:
+        write_atomic(path / "shards.json", lambda f: f.write(manifest), "data.feature_dir")
+    width, built, reused, donors = len(layers) * H, 0, 0, None
     for s, idx in enumerate(tqdm(shards, desc="feature cache", unit="shard", leave=False)):
         file = path / f"shard-{s:05d}.npy"
         tokens = sum(len(examples[i].input_ids) for i in idx)
         arr = read_shard(file, tokens, width)
+        if arr is None:
+            donors = donor_shards(root, target, {**key, "layers": layers}, path) if donors is None else donors
+            if hashes[s] in donors and link_shard(donors[hashes[s]], file, tokens, width):
+                arr, reused = read_shard(file, tokens, width), reused + 1
         if arr is None:
             if file.exists():
                 log.warning("feature cache shard %s is incomplete or corrupt: rebuilding it", file)
@@ -130,8 +181,8 @@ def attach(target: Target, examples, layers, max_len: int, root: str | None = No
             examples[i].hidden = {k: flat[offset:offset + n, j * H:(j + 1) * H] for j, k in enumerate(layers)
                                   if k in wanted}
             offset += n
-    info = {"dir": str(path), "shards": len(shards), "shards_built": built, "layers": wanted,
-            "layers_on_disk": layers, "bytes_per_token": width * 2, "tokens": sum(key["lengths"])}
-    log.info("feature cache %s: %d shards (%d built now), %d tokens, %d bytes/token", path, len(shards), built,
-             info["tokens"], info["bytes_per_token"])
+    info = {"dir": str(path), "shards": len(shards), "shards_built": built, "shards_reused": reused,
+            "layers": wanted, "layers_on_disk": layers, "bytes_per_token": width * 2, "tokens": sum(key["lengths"])}
+    log.info("feature cache %s: %d shards (%d built now, %d linked from other caches), %d tokens, %d bytes/token",
+             path, len(shards), built, reused, info["tokens"], info["bytes_per_token"])
     return info

@@ -80,3 +80,36 @@ def test_default_cache_dirs_serve_a_subset_of_their_layers(tmp_path, monkeypatch
     exact.mkdir(parents=True)
     (exact / "key.json").write_text(json.dumps(key))
     assert superset_dir(None, target, key) is None
+
+
+def test_grown_data_links_the_shards_an_earlier_cache_holds(tiny_target, tmp_path, monkeypatch):
+    """Data that extends earlier data (a bigger seeded sample) computes only its new shards; the rest are hard links
+    to the earlier cache's files, holding what a fresh build computes. Other layers or an explicit dir: no links."""
+    import torch
+
+    from train.data import Example
+    from train.feature_cache import attach
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    vocab = tiny_target.dims.vocab_size
+    data = [Example(torch.randint(3, vocab, (n,)), torch.ones(n, dtype=torch.bool)) for n in (9, 5, 12, 7, 6, 11)]
+    fresh = lambda: [Example(ex.input_ids, ex.loss_mask) for ex in data]  # noqa: E731  (no features attached yet)
+    small, grown, own = fresh()[:4], fresh(), fresh()
+    first = attach(tiny_target, small, [1, 2], 64, shard_size=2)
+    assert (first["shards"], first["shards_built"], first["shards_reused"]) == (2, 2, 0)
+    info = attach(tiny_target, grown, [1, 2], 64, shard_size=2)
+    assert (info["shards"], info["shards_built"], info["shards_reused"]) == (3, 1, 2)
+    for s in range(2):
+        a, b = Path(first["dir"]) / f"shard-{s:05d}.npy", Path(info["dir"]) / f"shard-{s:05d}.npy"
+        assert a.stat().st_ino == b.stat().st_ino  # a link: no second copy on disk
+    alone = attach(tiny_target, own, [1, 2], 64, root=str(tmp_path / "alone"), shard_size=2)  # explicit: no links
+    assert alone["shards_built"] == 3 and alone["shards_reused"] == 0
+    for g, o in zip(grown, own):
+        assert all(torch.equal(g.hidden[k], o.hidden[k]) for k in (1, 2))
+    other = attach(tiny_target, fresh(), [1, 3], 64, shard_size=2)  # other layers: nothing to link
+    assert (other["shards_built"], other["shards_reused"]) == (3, 0)
+    Path(first["dir"], "shard-00000.npy").unlink()  # deleted here, still held by the grown data's cache
+    again = attach(tiny_target, fresh()[:4], [1, 2], 64, shard_size=2)
+    assert (again["shards_built"], again["shards_reused"]) == (0, 1)
+    Path(info["dir"], "shard-00002.npy").write_bytes(b"half")  # a corrupt shard is rebuilt, never linked elsewhere
+    assert attach(tiny_target, fresh(), [1, 2], 64, shard_size=2)["shards_built"] == 1
