@@ -146,3 +146,18 @@ def test_head_for_another_target_is_refused(standins, tmp_path, monkeypatch):
                                  f"prompts={prompts(tmp_path / 'p.jsonl', TOPICS[:1])}"])
     with pytest.raises(ServeError, match=r"trained for target .tiny-random. \((hidden|vocab)_size="):
         serve(scfg, tmp_path / "serve")
+
+
+def test_cpu_bf16_without_bf16_units_is_warned(monkeypatch, caplog):
+    """bf16-mixed on a CPU that emulates bf16 trains slower than fp32: the run says so and names the fix."""
+    from omegaconf import OmegaConf
+
+    import train.main as job
+
+    cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "precision": "bf16-mixed"}, "target": {"dtype": "float32"}})
+    for has_units, warned in ((False, True), (True, False)):
+        monkeypatch.setattr(job, "cpu_has_bf16_units", lambda: has_units)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="train"):
+            assert job.resolve_hardware(cfg) == ("cpu", "float32")
+        assert ("emulated" in caplog.text and "trainer.precision=32-true" in caplog.text) == warned, caplog.text

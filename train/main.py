@@ -119,8 +119,16 @@ def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
     if str(t.precision).startswith("bf16") and on_gpu and not torch.cuda.is_bf16_supported():
         raise UserError(f"{torch.cuda.get_device_name()} has no bfloat16; pass trainer.precision=16-mixed "
                         "target.dtype=float16")
+    if str(t.precision).startswith("bf16") and not on_gpu and not cpu_has_bf16_units():
+        log.warning("trainer.precision=%s on a CPU without AMX or AVX512-BF16: its bf16 matmuls are emulated and "
+                    "slower than trainer.precision=32-true", t.precision)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu"
     return device, resolve_dtype(cfg.target.dtype, device)
+
+
+def cpu_has_bf16_units() -> bool:
+    """AMX or AVX512-BF16: where bf16-mixed trains a head faster than fp32 on the CPU (1.3x measured, README)."""
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
