@@ -60,34 +60,34 @@ def superset_dir(root: str | None, target: Target, key: dict) -> tuple[Path, lis
     A directory made for exactly ``key`` wins: it may be complete where a bigger one is half built."""
     if read_key(keyed_dir(root, "features", target, key)) == key:
         return None
-    if root:
-        candidates = [Path(root) / "key.json"]
-    else:
-        candidates = sorted((cache_dir() / "features").glob(f"{target.name.replace('/', '_')}-*/key.json"))
-    for key_file in candidates:
-        old = read_key(key_file.parent)
+    for path, old in ([(Path(root), read_key(Path(root)))] if root else cache_dirs(target)):
         if old and {**old, "layers": key["layers"]} == key and set(key["layers"]) < set(old["layers"]):
-            return key_file.parent, old["layers"]
+            return path, old["layers"]
     return None
+
+
+def cache_dirs(target: Target) -> list[tuple[Path, dict]]:
+    """(directory, key) of every readable per-key feature cache of this target under ~/.cache/draftheads."""
+    dirs = sorted(p.parent for p in (cache_dir() / "features").glob(f"{target.name.replace('/', '_')}-*/key.json"))
+    return [(d, key) for d in dirs if (key := read_key(d))]
 
 
 def donor_shards(root: str | None, target: Target, key: dict, into: Path) -> dict[str, Path]:
     """{shard hash: shard file} of the other per-key directories of this target whose shards hold the same layers,
-    max_len and shard size (their ``shards.json``). None with an explicit data.feature_dir: the directories next to
-    it are the user's, not ours to read."""
+    max_len and shard size (their ``shards.json``). Empty with an explicit data.feature_dir: the directories next
+    to it are the user's, not ours to read."""
     if root:
         return {}
     same = {k: v for k, v in key.items() if k not in ("data_sha256", "lengths")}
     found: dict[str, Path] = {}
-    for key_file in sorted((cache_dir() / "features").glob(f"{target.name.replace('/', '_')}-*/key.json")):
-        old = read_key(key_file.parent)
-        if key_file.parent == into or not old or {k: v for k, v in old.items() if k in same} != same:
+    for path, old in cache_dirs(target):
+        if path == into or {k: v for k, v in old.items() if k in same} != same:
             continue
         try:
-            hashes = json.loads((key_file.parent / "shards.json").read_text())["shard_sha256"]
+            hashes = json.loads((path / "shards.json").read_text())["shard_sha256"]
         except (OSError, ValueError, KeyError):
             continue
-        found.update({h: key_file.parent / f"shard-{s:05d}.npy" for s, h in enumerate(hashes) if h not in found})
+        found.update({h: path / f"shard-{s:05d}.npy" for s, h in enumerate(hashes) if h not in found})
     return found
 
 
