@@ -62,9 +62,19 @@ class TargetFeatures:
 
     input_ids: torch.Tensor  # [B, T] long
     hidden: dict[int, torch.Tensor]  # k -> [B, T, H]
-    target_logits: torch.Tensor  # [B, T, V] the target's next-token logits (float32)
+    target_logits: torch.Tensor  # [B, T, V] the target's next-token logits (float32), or [N, V]: only the N
+    # positions loss_mask holds, in its boolean-index order (the feature cache's path builds no dense tensor)
     loss_mask: torch.Tensor  # [B, T] bool: position t's *next* token x_{t+1} is trained/evaluated on
     attention_mask: torch.Tensor | None = None  # [B, T] 1 for real tokens (right padding only)
+
+    def scored_target_logits(self, k: int = 0) -> torch.Tensor:
+        """[N_k, V]: the target's logits at the positions t >= k that loss_mask holds, in the row order of
+        ``target_logits[:, k:][loss_mask[:, k:]]`` (what step k of a head is scored against)."""
+        if self.target_logits.dim() == 3:
+            return self.target_logits[:, k:][self.loss_mask[:, k:]]
+        if k == 0:
+            return self.target_logits
+        return self.target_logits[self.loss_mask.nonzero()[:, 1] >= k]
 
     @property
     def last_hidden(self) -> torch.Tensor:

@@ -61,7 +61,7 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
     V = feats.target_logits.shape[-1]
     cols = head.from_target_vocab(torch.arange(V, device=feats.target_logits.device))  # [V_draft] target ids
     position = mask.nonzero()[:, 1]  # [N] position of each scored row, in boolean-indexing order
-    scored = feats.target_logits[mask].float()  # [N, V]
+    scored = feats.scored_target_logits().float()  # [N, V]
     with torch.no_grad():
         # A reduced draft vocabulary learns the target's distribution restricted (renormalised) to that vocabulary.
         target_draft = scored if cols.numel() == V else scored.index_select(-1, cols)  # [N, V_draft]
@@ -111,7 +111,7 @@ def alpha_sums(head, out: HeadOutput, feats: TargetFeatures, temperature=0.0, to
     sums, counts = [], []
     for k in range(1, len(out.states) + 1):
         mask = feats.loss_mask[:, k:]
-        draft, target = head.to_target_vocab(scored_logits(out, feats.loss_mask, k)), feats.target_logits[:, k:][mask]
+        draft, target = head.to_target_vocab(scored_logits(out, feats.loss_mask, k)), feats.scored_target_logits(k)
         a = alpha(probs_from_logits(target, temperature, top_k, top_p), probs_from_logits(draft, temperature, top_k, top_p))
         sums.append(a.sum().item())
         counts.append(int(mask.sum()))

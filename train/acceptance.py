@@ -37,7 +37,7 @@ def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int,
     for k in range(1, len(out.states) + 1):
         mask = feats.loss_mask[:, k:]
         draft = head.to_target_vocab(scored_logits(out, feats.loss_mask, k))  # [N, V], scored anchors only
-        a = alpha(probs_from_logits(feats.target_logits[:, k:][mask], temperature, top_k, top_p),
+        a = alpha(probs_from_logits(feats.scored_target_logits(k), temperature, top_k, top_p),
                   probs_from_logits(draft, temperature, top_k, top_p))
         step = grid[:, :T - k, k - 1]  # a view: anchor t, step k predicts the token after t + k
         step[mask.cpu()] = a.double().cpu()

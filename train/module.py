@@ -82,9 +82,9 @@ class DraftModule(L.LightningModule):
             dtype = self.target.lm_head.weight.dtype  # disk-cached features are bf16 whatever the target's dtype
             hidden = {int(k.split(".")[1]): v.to(dtype) for k, v in batch.items() if k.startswith("hidden.")}
             mask = batch["loss_mask"]
-            with torch.no_grad():  # logits only where a loss or α reads them (prompts are often half the tokens)
-                logits = hidden[L].new_zeros((*mask.shape, self.target.dims.vocab_size), dtype=torch.float32)
-                logits[mask] = self.target.lm_head(hidden[L][mask]).float()
+            with torch.no_grad():  # logits only where a loss or α reads them (prompts are often half the tokens),
+                # packed [N, V]: a dense [B, T, 49k] fp32 buffer was 800 MB to zero, scatter into and gather back
+                logits = self.target.lm_head(hidden[L][mask]).float()
             return TargetFeatures(batch["input_ids"], hidden, logits, mask, attn)
         attn = None if bool(attn.all()) else attn  # no padding: let attention take its fast causal path
         return self.target.features(batch["input_ids"], batch["loss_mask"], attn, layers=self.head.feature_layers)

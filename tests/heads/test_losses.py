@@ -166,3 +166,38 @@ def test_scored_rows_loss_equals_full_vocab_loss(name, kind, tiny_target):
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
     assert any(g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle"])
+def test_packed_target_logits_score_as_dense(name, tiny_target):
+    """The feature cache's path keeps the target's logits only at scored rows ([N, V], loss_mask order): the loss,
+    the gradients, α and the acceptance grid must be those of the dense [B, T, V] batch."""
+    from dataclasses import replace
+
+    from heads.losses import head_loss
+    from train.acceptance import acceptance_grid
+
+    head = random_head(name, tiny_target)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, tiny_target.dims.vocab_size, (3, 30), generator=g)
+    mask = torch.rand(3, 30, generator=g) > 0.4
+    mask[:, :4] = False
+    dense = tiny_target.features(ids, mask, layers=head.feature_layers)
+    packed = replace(dense, target_logits=dense.target_logits[mask])
+    for k in (0, 1, 3):
+        torch.testing.assert_close(packed.scored_target_logits(k), dense.scored_target_logits(k))
+
+    def run(feats):
+        head.zero_grad()
+        out = head(feats)
+        loss, stats = head_loss(head, out, feats, temperature=1.0)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None])
+        return loss.detach(), stats, grads, alpha_sums(head, out, feats, 0.7), acceptance_grid(head, out, feats, 1.0, 0, 1.0)
+
+    (loss, stats, grads, sums, grid), ref = run(packed), run(dense)
+    assert loss.item() == pytest.approx(ref[0].item(), rel=1e-6)
+    assert stats["alpha@2"].item() == pytest.approx(ref[1]["alpha@2"].item(), abs=1e-6)
+    torch.testing.assert_close(grads, ref[2])
+    assert sums == pytest.approx(ref[3]) and grid.sum() > 0
+    torch.testing.assert_close(grid, ref[4])
