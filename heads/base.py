@@ -36,6 +36,14 @@ import torch
 from torch import nn
 
 
+def most_frequent_tokens(token_counts: torch.Tensor, k: int) -> torch.Tensor:
+    """[k] target ids of the k most frequent tokens (ties broken by lower id), sorted by id."""
+    if token_counts.ndim != 1 or k > token_counts.numel():
+        raise ValueError(f"token_counts must be one count per target token; got shape {tuple(token_counts.shape)} "
+                         f"for a {k}-token vocabulary")
+    return torch.topk(token_counts.double() - torch.arange(token_counts.numel()) * 1e-9, k).indices.sort().values
+
+
 @dataclass
 class TargetDims:
     """What a head must know about its target to be built; read from the target's HF config."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heads.base import TargetDims
+from heads.base import TargetDims, most_frequent_tokens
 from heads.eagle import ChainHead
 from heads.layers import MLP, Attention, RMSNorm
 
@@ -81,8 +81,7 @@ class Eagle3(ChainHead):
         """Keep the draft_vocab_size most frequent target tokens (ties broken by id), in target-id order."""
         if token_counts.numel() != self.dims.vocab_size:
             raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is {self.dims.vocab_size}")
-        keep = torch.topk(token_counts.double() - torch.arange(token_counts.numel()) * 1e-9, self.draft_vocab_size).indices
-        keep = keep.sort().values
+        keep = most_frequent_tokens(token_counts, self.draft_vocab_size)
         self.d2t.copy_(keep - torch.arange(self.draft_vocab_size))
         self.t2d.zero_()
         self.t2d[keep] = True

@@ -161,3 +161,19 @@ def test_cpu_bf16_without_bf16_units_is_warned(monkeypatch, caplog):
         with caplog.at_level("WARNING", logger="train"):
             assert job.resolve_hardware(cfg) == ("cpu", "float32")
         assert ("emulated" in caplog.text and "trainer.precision=32-true" in caplog.text) == warned, caplog.text
+
+
+def test_bf16_if_native_follows_the_cpu(monkeypatch):
+    """The recipes' precision: bf16-mixed only on a CPU with bf16 units (emulated bf16 ran 8x slower than fp32);
+    auto stays fp32 on every CPU."""
+    from omegaconf import OmegaConf
+
+    import train.main as job
+
+    for has_units in (False, True):
+        monkeypatch.setattr(job, "cpu_has_bf16_units", lambda: has_units)
+        for asked, expected in (("bf16-if-native", "bf16-mixed" if has_units else "32-true"), ("auto", "32-true")):
+            cfg = OmegaConf.create({"trainer": {"accelerator": "auto", "precision": asked},
+                                    "target": {"dtype": "float32"}})
+            job.resolve_hardware(cfg)
+            assert cfg.trainer.precision == expected, (asked, has_units)

@@ -201,3 +201,51 @@ def test_packed_target_logits_score_as_dense(name, tiny_target):
     torch.testing.assert_close(grads, ref[2])
     assert sums == pytest.approx(ref[3]) and grid.sum() > 0
     torch.testing.assert_close(grid, ref[4])
+
+
+def test_eagle_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target):
+    """EAGLE-1's loss_vocab_size: in training, the loss is the full-vocabulary head's soft CE restricted to the most
+    frequent training tokens and renormalised there (brute force below, with the gradients); in eval mode (held-out
+    α, drafting, export) the head is the full-vocabulary head with the same weights."""
+    from heads import build_head
+    from heads.losses import head_loss, shift_pair
+
+    V = tiny_target.dims.vocab_size
+    full = random_head("eagle", tiny_target)
+    small = build_head("eagle", tiny_target.dims, num_steps=3, loss_vocab_size=V // 4)
+    small.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
+    counts = torch.rand(V, generator=torch.Generator().manual_seed(3))
+    small.set_vocab_map(counts)
+    small.load_state_dict(full.state_dict())
+    keep = counts.argsort(descending=True)[: V // 4].sort().values
+    assert torch.equal(small.loss_vocab, keep)
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (3, 30), generator=g)
+    mask = torch.rand(3, 30, generator=g) > 0.4
+    mask[:, :4] = False
+    feats = tiny_target.features(ids, mask, layers=small.feature_layers)
+
+    def brute(head):  # every position's full logits, then the frequent columns, then the mask
+        total = 0.0
+        for k, logits in enumerate(head(feats).logits, start=1):
+            draft, target, m = shift_pair(logits[..., keep], feats.target_logits[..., keep], mask, k)
+            ce = -(target[m].softmax(-1) * draft[m].log_softmax(-1)).sum(-1).mean()
+            total = total + 0.8 ** (k - 1) * ce
+        return total + head.aux_losses(head(feats).states, feats)["feature_loss"]
+
+    small.train(), full.eval()
+    loss, stats = head_loss(small, small(feats), feats, step_decay=0.8)
+    ref = brute(full)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    loss.backward(), ref.backward()
+    for (n, p), q in zip(small.named_parameters(), full.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    assert 0 < stats["alpha@1"] < 1
+
+    small.eval()
+    with torch.no_grad():
+        for a, b in zip(small(feats).logits, full(feats).logits):
+            assert a.shape[-1] == V
+            torch.testing.assert_close(a, b)
+        assert alpha_sums(small, small(feats), feats, 1.0) == pytest.approx(alpha_sums(full, full(feats), feats, 1.0))
