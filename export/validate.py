@@ -88,6 +88,7 @@ def head_logits(head_config: dict, state: dict, target, feats, num_steps: int, d
     head = build_head(head_config["family"], TargetDims(**head_config["dims"]), **head_config["hparams"])
     head.load_state_dict({k: v.to(dtype).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()})
     head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.eval()  # what drafting computes (EAGLE-1: the full lm_head, not its training loss vocabulary)
     T = feats.input_ids.shape[1]
     with torch.no_grad():
         out = head(feats, num_steps=num_steps)

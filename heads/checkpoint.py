@@ -66,7 +66,7 @@ def load_head(path: str | os.PathLike, device: str = "cpu") -> tuple[DraftHead, 
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights} does not match a {config['family']} head: missing {missing}, unused {unexpected}")
-    return head.to(device), config
+    return head.to(device).eval(), config  # eval: inference reads (EAGLE-1's training-only loss vocabulary is off)
 
 
 def check_target(config: dict, target_identity: dict) -> None:
