@@ -36,12 +36,16 @@ import torch
 from torch import nn
 
 
-def most_frequent_tokens(token_counts: torch.Tensor, k: int) -> torch.Tensor:
+def most_frequent_tokens(token_counts: torch.Tensor, k: int, vocab_size: int) -> torch.Tensor:
     """[k] target ids of the k most frequent tokens (ties broken by lower id), sorted by id."""
-    if token_counts.ndim != 1 or k > token_counts.numel():
-        raise ValueError(f"token_counts must be one count per target token; got shape {tuple(token_counts.shape)} "
-                         f"for a {k}-token vocabulary")
-    return torch.topk(token_counts.double() - torch.arange(token_counts.numel()) * 1e-9, k).indices.sort().values
+    if token_counts.numel() != vocab_size:
+        raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is {vocab_size}")
+    return torch.topk(token_counts.double() - torch.arange(vocab_size) * 1e-9, k).indices.sort().values
+
+
+def scatter_to_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits [..., len(ids)] over target ids ``ids`` -> [..., vocab_size], -inf at every other id."""
+    return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy(-1, ids, logits)
 
 
 @dataclass

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import DraftHead, HeadOutput, TargetDims, TargetFeatures, most_frequent_tokens
+from heads.base import (DraftHead, HeadOutput, TargetDims, TargetFeatures, most_frequent_tokens,
+                        scatter_to_vocab)
 from heads.layers import DecoderLayer, KVCache
 
 
@@ -118,16 +119,13 @@ class Eagle(ChainHead):
     @torch.no_grad()
     def set_vocab_map(self, token_counts: torch.Tensor) -> None:
         """Score the loss_vocab_size most frequent training tokens (all of them by default)."""
-        self.loss_vocab.copy_(most_frequent_tokens(token_counts, self.loss_vocab_size))
+        self.loss_vocab.copy_(most_frequent_tokens(token_counts, self.loss_vocab_size, self.dims.vocab_size))
 
     def reduced_loss_vocab(self) -> bool:
         return self.training and self.loss_vocab_size < self.dims.vocab_size
 
     def to_target_vocab(self, logits):
-        if not self.reduced_loss_vocab():
-            return logits
-        return logits.new_full((*logits.shape[:-1], self.dims.vocab_size), float("-inf")).index_copy(
-            -1, self.loss_vocab, logits)
+        return scatter_to_vocab(logits, self.loss_vocab, self.dims.vocab_size) if self.reduced_loss_vocab() else logits
 
     def from_target_vocab(self, logits):
         return logits.index_select(-1, self.loss_vocab) if self.reduced_loss_vocab() else logits

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heads.base import TargetDims, most_frequent_tokens
+from heads.base import TargetDims, most_frequent_tokens, scatter_to_vocab
 from heads.eagle import ChainHead
 from heads.layers import MLP, Attention, RMSNorm
 
@@ -79,9 +79,7 @@ class Eagle3(ChainHead):
     @torch.no_grad()
     def set_vocab_map(self, token_counts: torch.Tensor) -> None:
         """Keep the draft_vocab_size most frequent target tokens (ties broken by id), in target-id order."""
-        if token_counts.numel() != self.dims.vocab_size:
-            raise ValueError(f"token_counts has {token_counts.numel()} entries, target vocab is {self.dims.vocab_size}")
-        keep = most_frequent_tokens(token_counts, self.draft_vocab_size)
+        keep = most_frequent_tokens(token_counts, self.draft_vocab_size, self.dims.vocab_size)
         self.d2t.copy_(keep - torch.arange(self.draft_vocab_size))
         self.t2d.zero_()
         self.t2d[keep] = True
@@ -92,8 +90,7 @@ class Eagle3(ChainHead):
         self.norm.weight.copy_(self.frozen("final_norm").weight)
 
     def to_target_vocab(self, logits):
-        out = logits.new_full((*logits.shape[:-1], self.dims.vocab_size), float("-inf"))
-        return out.index_copy(-1, self.draft_to_target, logits)
+        return scatter_to_vocab(logits, self.draft_to_target, self.dims.vocab_size)
 
     def from_target_vocab(self, logits):
         return logits.index_select(-1, self.draft_to_target)

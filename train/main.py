@@ -114,11 +114,10 @@ def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
                         "override, or add trainer.accelerator=cpu trainer.precision=32-true")
     on_gpu = t.accelerator in ("gpu", "cuda")
     if t.precision in ("auto", "bf16-if-native"):
-        gpu_precision = "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "16-mixed"
-        # bf16-if-native: bf16-mixed on a CPU too, where it has bf16 units (on one without, bf16 matmuls ran 8x
-        # slower than fp32: README); auto keeps fp32 on every CPU.
-        cpu_precision = "bf16-mixed" if t.precision == "bf16-if-native" and cpu_has_bf16_units() else "32-true"
-        t.precision = gpu_precision if on_gpu else cpu_precision
+        if on_gpu:
+            t.precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+        else:  # bf16-if-native: bf16 only with bf16 units (emulated, its matmuls ran 8x slower than fp32: README)
+            t.precision = "bf16-mixed" if t.precision == "bf16-if-native" and cpu_has_bf16_units() else "32-true"
     if str(t.precision).startswith("16") and not on_gpu:
         raise UserError(f"trainer.precision={t.precision} needs a CUDA device; use 32-true or bf16-mixed on CPU")
     if str(t.precision).startswith("bf16") and on_gpu and not torch.cuda.is_bf16_supported():

@@ -227,12 +227,12 @@ def test_eagle_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target):
     feats = tiny_target.features(ids, mask, layers=small.feature_layers)
 
     def brute(head):  # every position's full logits, then the frequent columns, then the mask
-        total = 0.0
-        for k, logits in enumerate(head(feats).logits, start=1):
+        out = head(feats)
+        total = out.aux["feature_loss"]
+        for k, logits in enumerate(out.logits, start=1):
             draft, target, m = shift_pair(logits[..., keep], feats.target_logits[..., keep], mask, k)
-            ce = -(target[m].softmax(-1) * draft[m].log_softmax(-1)).sum(-1).mean()
-            total = total + 0.8 ** (k - 1) * ce
-        return total + head.aux_losses(head(feats).states, feats)["feature_loss"]
+            total = total + 0.8 ** (k - 1) * -(target[m].softmax(-1) * draft[m].log_softmax(-1)).sum(-1).mean()
+        return total
 
     small.train(), full.eval()
     loss, stats = head_loss(small, small(feats), feats, step_decay=0.8)
