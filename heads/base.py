@@ -33,6 +33,7 @@ from functools import cached_property
 from typing import Callable, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -46,6 +47,70 @@ def most_frequent_tokens(token_counts: torch.Tensor, k: int, vocab_size: int) ->
 def scatter_to_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Logits [..., len(ids)] over target ids ``ids`` -> [..., vocab_size], -inf at every other id."""
     return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy(-1, ids, logits)
+
+
+class FrequentTokenLoss:
+    """Mixin for heads whose logits are the target's frozen lm_head (EAGLE-1, MTP): ``loss_vocab_size`` lets the
+    training loss score only the training data's most frequent tokens, plus ``loss_vocab_sampled`` others drawn
+    at random every training step.
+
+    In training mode the read-out uses only those rows of the lm_head, and the soft cross-entropy is taken against
+    the target's distribution renormalised to them, as EAGLE-3's reduced draft vocabulary is trained. On a CPU the
+    full 49k-row lm_head forward and backward at every step is most of such a head's step (README). Eval mode
+    (held-out α, drafting, every export) reads the full lm_head, so the head can still draft any token and its
+    weights are the same either way. That is only safe if nothing drives the never-scored tokens' logits up: EAGLE-1's
+    feature regression keeps its output where the target's features live, but MTP's output is free, and with the 8k
+    most frequent tokens alone its held-out α₁ fell to 0.034 against 0.206 for the full vocabulary (README). The
+    sampled tokens (sampled-softmax negatives) put every other token under the loss now and then.
+    The index buffers are not saved: ``set_vocab_map`` rebuilds them from the same data on a resume, and exports carry
+    only what drafting reads. Call ``init_loss_vocab`` in ``__init__``; the training loop calls
+    ``resample_loss_vocab`` before each step.
+    """
+
+    dims: "TargetDims"
+    training: bool
+
+    def init_loss_vocab(self, loss_vocab_size: int | None, loss_vocab_sampled: int = 0) -> None:
+        V = self.dims.vocab_size
+        self.loss_vocab_size = min(loss_vocab_size or V, V)
+        self.loss_vocab_sampled = min(loss_vocab_sampled, V - self.loss_vocab_size)
+        self.register_buffer("frequent_vocab", torch.arange(self.loss_vocab_size), persistent=False)
+        self.register_buffer("loss_vocab", torch.arange(self.loss_vocab_size + self.loss_vocab_sampled),
+                             persistent=False)  # target ids the loss scores this step, sorted
+
+    @torch.no_grad()
+    def set_vocab_map(self, token_counts: torch.Tensor) -> None:
+        """Score the loss_vocab_size most frequent training tokens (all of them by default)."""
+        self.frequent_vocab.copy_(most_frequent_tokens(token_counts, self.loss_vocab_size, self.dims.vocab_size))
+        self.resample_loss_vocab()
+
+    @torch.no_grad()
+    def resample_loss_vocab(self) -> None:
+        """The frequent tokens plus a fresh uniform draw of loss_vocab_sampled of the others (torch's RNG)."""
+        picked = self.frequent_vocab
+        if self.loss_vocab_sampled:
+            rest = torch.ones(self.dims.vocab_size, dtype=torch.bool, device=picked.device)
+            rest[picked] = False
+            rest = rest.nonzero().squeeze(1)
+            draw = torch.randperm(rest.numel(), device=rest.device)[: self.loss_vocab_sampled]
+            picked = torch.cat([picked, rest[draw]]).sort().values
+        self.loss_vocab.copy_(picked)
+
+    def reduced_loss_vocab(self) -> bool:
+        return self.training and self.loss_vocab.numel() < self.dims.vocab_size
+
+    def to_target_vocab(self, logits):
+        return scatter_to_vocab(logits, self.loss_vocab, self.dims.vocab_size) if self.reduced_loss_vocab() else logits
+
+    def from_target_vocab(self, logits):
+        return logits.index_select(-1, self.loss_vocab) if self.reduced_loss_vocab() else logits
+
+    def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.reduced_loss_vocab():
+            return super().target_lm_head(h)
+        lm_head = self.frozen("lm_head")  # training: only the scored rows, in the lm_head's dtype (as DraftHead's)
+        w, b = lm_head.weight.index_select(0, self.loss_vocab), lm_head.bias
+        return F.linear(h.to(w.dtype), w, None if b is None else b[self.loss_vocab]).to(h.dtype)
 
 
 @dataclass

@@ -12,11 +12,8 @@ the distillation loss that is feature_loss_weight = 10. On stories260K (3 steps,
 held-out tokens, seed 0) 10 measured greedy α 0.337 / 0.325 / 0.317 against 0.358 / 0.343 / 0.340 for 0.2, so 0.2
 stays (one seed, one toy target: not yet repeated on SmolLM2 or with EAGLE's feature noise).
 
-Training may score a reduced vocabulary (``loss_vocab_size``, the training data's most frequent tokens): the soft
-cross-entropy then reads only those rows of the frozen lm_head, against the target's distribution renormalised to
-them, as EAGLE-3's reduced draft vocabulary does. On a CPU the full-vocabulary lm_head forward and backward at every
-step is most of an EAGLE-1 step (README). Only the loss changes: in eval mode (held-out α, drafting, every export)
-the head reads the full lm_head, so it can still draft any token.
+Training may score a reduced vocabulary (``loss_vocab_size``; see ``heads.base.FrequentTokenLoss``): only the
+training data's most frequent tokens' rows of the frozen lm_head, in training mode only.
 
 ``ChainHead`` holds what EAGLE-1 and EAGLE-3 share: the unrolled training loop and the cached chain drafting.
 Subclasses say how target features enter (``fuse``), what one step computes (``block``) and how a step's output
@@ -28,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import (DraftHead, HeadOutput, TargetDims, TargetFeatures, most_frequent_tokens,
-                        scatter_to_vocab)
+from heads.base import DraftHead, FrequentTokenLoss, HeadOutput, TargetDims, TargetFeatures
 from heads.layers import DecoderLayer, KVCache
 
 
@@ -98,37 +94,20 @@ class ChainHead(DraftHead):
         return self.to_target_vocab(self.logits(out[0])), out
 
 
-class Eagle(ChainHead):
+class Eagle(FrequentTokenLoss, ChainHead):
     family = "eagle"
 
     def __init__(self, dims: TargetDims, num_steps: int = 4, feature_loss_weight: float = 0.2,
-                 loss_vocab_size: int | None = None):
+                 loss_vocab_size: int | None = None, loss_vocab_sampled: int = 0):
         super().__init__(dims, num_steps)
         self.feature_loss_weight = feature_loss_weight
-        self.loss_vocab_size = min(loss_vocab_size or dims.vocab_size, dims.vocab_size)
+        self.init_loss_vocab(loss_vocab_size, loss_vocab_sampled)
         self.fc = nn.Linear(2 * dims.hidden_size, dims.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(dims, input_norm=False)])
-        # Target ids the training loss scores. Not saved: set_vocab_map rebuilds it from the same data on a resume,
-        # and exports carry only what drafting reads.
-        self.register_buffer("loss_vocab", torch.arange(self.loss_vocab_size), persistent=False)
 
     def hparams(self) -> dict:
         return {"num_steps": self.num_steps, "feature_loss_weight": self.feature_loss_weight,
-                "loss_vocab_size": self.loss_vocab_size}
-
-    @torch.no_grad()
-    def set_vocab_map(self, token_counts: torch.Tensor) -> None:
-        """Score the loss_vocab_size most frequent training tokens (all of them by default)."""
-        self.loss_vocab.copy_(most_frequent_tokens(token_counts, self.loss_vocab_size, self.dims.vocab_size))
-
-    def reduced_loss_vocab(self) -> bool:
-        return self.training and self.loss_vocab_size < self.dims.vocab_size
-
-    def to_target_vocab(self, logits):
-        return scatter_to_vocab(logits, self.loss_vocab, self.dims.vocab_size) if self.reduced_loss_vocab() else logits
-
-    def from_target_vocab(self, logits):
-        return logits.index_select(-1, self.loss_vocab) if self.reduced_loss_vocab() else logits
+                "loss_vocab_size": self.loss_vocab_size, "loss_vocab_sampled": self.loss_vocab_sampled}
 
     def fuse(self, hidden):
         return hidden[self.dims.num_layers]  # [B, T, H]: final-norm output, what the lm_head reads
@@ -138,10 +117,6 @@ class Eagle(ChainHead):
         return self.layers[0](x, positions, **attn)
 
     def logits(self, out):
-        if self.reduced_loss_vocab():  # training: only the scored rows of the frozen lm_head (its dtype, as below)
-            lm_head = self.frozen("lm_head")
-            w, b = lm_head.weight.index_select(0, self.loss_vocab), lm_head.bias
-            return F.linear(out.to(w.dtype), w, None if b is None else b[self.loss_vocab]).to(out.dtype)
         return self.target_lm_head(out)
 
     def aux_losses(self, outputs, feats):

@@ -3,7 +3,8 @@
 K sequential modules. Module k at position i reads h^{k-1}_i (h^0 = the target's final-norm hidden state) and the
 embedding of x_{i+k}: ``eh_proj(cat(enorm(embed), hnorm(h)))`` (embedding first, 2H -> H), one Llama decoder layer
 with causal attention over module k's own sequence, giving h^k_i; logits = the target's lm_head over a shared
-``norm``. Module k at anchor t predicts x_{t+1+k}, i.e. draft step k. Drafting is limited to K steps.
+``norm`` (in training, optionally only the most frequent tokens' rows: ``loss_vocab_size``). Module k at anchor t
+predicts x_{t+1+k}, i.e. draft step k. Drafting is limited to K steps.
 
 Drafting has to match training exactly: module k at position i needs x_{i+k}, so after the target accepts tokens
 up to x_{m+1}, module k can commit positions <= m+1-k with real tokens; draft step k recomputes module k over
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heads.base import DraftHead, HeadOutput, TargetDims, TargetFeatures
+from heads.base import DraftHead, FrequentTokenLoss, HeadOutput, TargetDims, TargetFeatures
 from heads.eagle import shifted_tokens
 from heads.layers import DecoderLayer, KVCache, RMSNorm
 
@@ -33,13 +34,19 @@ class MtpModule(nn.Module):
         return self.layer(x, positions, **attn)
 
 
-class Mtp(DraftHead):
+class Mtp(FrequentTokenLoss, DraftHead):
     family = "mtp"
 
-    def __init__(self, dims: TargetDims, num_steps: int = 2):
+    def __init__(self, dims: TargetDims, num_steps: int = 2, loss_vocab_size: int | None = None,
+                 loss_vocab_sampled: int = 0):
         super().__init__(dims, num_steps)
+        self.init_loss_vocab(loss_vocab_size, loss_vocab_sampled)  # training-only: heads.base.FrequentTokenLoss
         self.layers = nn.ModuleList(MtpModule(dims) for _ in range(num_steps))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)  # DeepSeek's shared_head.norm
+
+    def hparams(self) -> dict:
+        return {"num_steps": self.num_steps, "loss_vocab_size": self.loss_vocab_size,
+                "loss_vocab_sampled": self.loss_vocab_sampled}
 
     @property
     def max_draft_steps(self) -> int:

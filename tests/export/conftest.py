@@ -46,7 +46,7 @@ def hparams_for(family: str, fmt: str, target) -> dict:
             L = target.dims.num_layers
             hp["aux_layers"] = [L - 3, 2, L - 3]  # unsorted with a repeat: exports must fold and re-lay fc
         return hp
-    if family == "eagle":  # a training-only loss vocabulary: every export must still draft over the full lm_head
+    if family in ("eagle", "mtp"):  # a training-only loss vocabulary: every export must draft over the full lm_head
         return {"loss_vocab_size": target.dims.vocab_size // 4}
     return {}
 

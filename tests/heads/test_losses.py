@@ -203,16 +203,17 @@ def test_packed_target_logits_score_as_dense(name, tiny_target):
     torch.testing.assert_close(grid, ref[4])
 
 
-def test_eagle_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target):
-    """EAGLE-1's loss_vocab_size: in training, the loss is the full-vocabulary head's soft CE restricted to the most
-    frequent training tokens and renormalised there (brute force below, with the gradients); in eval mode (held-out
-    α, drafting, export) the head is the full-vocabulary head with the same weights."""
+@pytest.mark.parametrize("family", ["eagle", "mtp"])
+def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family):
+    """loss_vocab_size (EAGLE-1, MTP): in training, the loss is the full-vocabulary head's soft CE restricted to the
+    most frequent training tokens and renormalised there (brute force below, with the gradients); in eval mode
+    (held-out α, drafting, export) the head is the full-vocabulary head with the same weights."""
     from heads import build_head
     from heads.losses import head_loss, shift_pair
 
     V = tiny_target.dims.vocab_size
-    full = random_head("eagle", tiny_target)
-    small = build_head("eagle", tiny_target.dims, num_steps=3, loss_vocab_size=V // 4)
+    full = random_head(family, tiny_target)
+    small = build_head(family, tiny_target.dims, num_steps=3, loss_vocab_size=V // 4)
     small.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
     counts = torch.rand(V, generator=torch.Generator().manual_seed(3))
     small.set_vocab_map(counts)
@@ -228,7 +229,7 @@ def test_eagle_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target):
 
     def brute(head):  # every position's full logits, then the frequent columns, then the mask
         out = head(feats)
-        total = out.aux["feature_loss"]
+        total = sum(out.aux.values(), torch.tensor(0.0))  # EAGLE-1's feature loss; MTP has none
         for k, logits in enumerate(out.logits, start=1):
             draft, target, m = shift_pair(logits[..., keep], feats.target_logits[..., keep], mask, k)
             total = total + 0.8 ** (k - 1) * -(target[m].softmax(-1) * draft[m].log_softmax(-1)).sum(-1).mean()
@@ -249,3 +250,44 @@ def test_eagle_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target):
             assert a.shape[-1] == V
             torch.testing.assert_close(a, b)
         assert alpha_sums(small, small(feats), feats, 1.0) == pytest.approx(alpha_sums(full, full(feats), feats, 1.0))
+
+
+def test_loss_vocab_sampled_adds_fresh_other_tokens_each_step(tiny_target):
+    """loss_vocab_sampled: each resample keeps every frequent token and adds that many distinct others, a different
+    draw each time (so every token is under the loss now and then); the loss is the brute-force soft CE over exactly
+    the drawn set, and eval mode still reads the full vocabulary."""
+    from heads import build_head
+    from heads.losses import head_loss, shift_pair
+
+    V = tiny_target.dims.vocab_size
+    head = build_head("mtp", tiny_target.dims, num_steps=2, loss_vocab_size=V // 4, loss_vocab_sampled=V // 8)
+    head.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
+    counts = torch.rand(V, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    head.set_vocab_map(counts)
+    frequent = counts.argsort(descending=True)[: V // 4]
+    draws = []
+    for _ in range(3):
+        head.resample_loss_vocab()
+        ids = head.loss_vocab.clone()
+        assert ids.numel() == V // 4 + V // 8 and torch.equal(ids, ids.unique())  # sorted, no repeats
+        assert torch.isin(frequent, ids).all()
+        draws.append(ids[~torch.isin(ids, frequent)])
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, V, (2, 24), generator=g)
+    mask = torch.rand(2, 24, generator=g) > 0.3
+    feats = tiny_target.features(tokens, mask, layers=head.feature_layers)
+    head.train()
+    loss, _ = head_loss(head, head(feats), feats)
+    keep = head.loss_vocab
+    head.eval()
+    with torch.no_grad():
+        full = head(feats).logits
+        assert all(logits.shape[-1] == V for logits in full)
+        ref = 0.0
+        for k, logits in enumerate(full, start=1):
+            draft, target, m = shift_pair(logits[..., keep], feats.target_logits[..., keep], mask, k)
+            ref = ref + -(target[m].softmax(-1) * draft[m].log_softmax(-1)).sum(-1).mean()
+    assert loss.item() == pytest.approx(float(ref), rel=1e-5)
