@@ -50,9 +50,9 @@ def scatter_to_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -
 
 
 class FrequentTokenLoss:
-    """Mixin for heads whose logits are the target's frozen lm_head (EAGLE-1, MTP): ``loss_vocab_size`` lets the
-    training loss score only the training data's most frequent tokens, plus ``loss_vocab_sampled`` others drawn
-    at random every training step.
+    """Mixin for heads whose logits come from a full-vocabulary lm_head (EAGLE-1 and MTP: the target's frozen one;
+    Medusa: its own trained ones): ``loss_vocab_size`` lets the training loss score only the training data's most
+    frequent tokens, plus ``loss_vocab_sampled`` others drawn at random every training step.
 
     In training mode the read-out uses only those rows of the lm_head, and the soft cross-entropy is taken against
     the target's distribution renormalised to them, as EAGLE-3's reduced draft vocabulary is trained. On a CPU the
@@ -61,10 +61,11 @@ class FrequentTokenLoss:
     weights are the same either way. That is only safe if nothing drives the never-scored tokens' logits up: EAGLE-1's
     feature regression keeps its output where the target's features live, but MTP's output is free, and with the 8k
     most frequent tokens alone its held-out α₁ fell to 0.034 against 0.206 for the full vocabulary (README). The
-    sampled tokens (sampled-softmax negatives) put every other token under the loss now and then.
+    sampled tokens (sampled-softmax negatives) put every other token under the loss now and then. A trained lm_head
+    (Medusa) then also gets gradient on every row now and then, and only on those rows each step.
     The index buffers are not saved: ``set_vocab_map`` rebuilds them from the same data on a resume, and exports carry
     only what drafting reads. Call ``init_loss_vocab`` in ``__init__``; the training loop calls
-    ``resample_loss_vocab`` before each step.
+    ``resample_loss_vocab(global_step)`` before each step.
     """
 
     dims: "TargetDims"
@@ -85,15 +86,16 @@ class FrequentTokenLoss:
         self.resample_loss_vocab()
 
     @torch.no_grad()
-    def resample_loss_vocab(self) -> None:
-        """The frequent tokens plus a fresh uniform draw of loss_vocab_sampled of the others (torch's RNG)."""
+    def resample_loss_vocab(self, step: int = 0) -> None:
+        """The frequent tokens plus a uniform draw of loss_vocab_sampled of the others, a function of ``step`` alone
+        (a generator seeded with it): a resumed run and every DDP rank draw what an uninterrupted run draws."""
         picked = self.frequent_vocab
         if self.loss_vocab_sampled:
-            rest = torch.ones(self.dims.vocab_size, dtype=torch.bool, device=picked.device)
-            rest[picked] = False
+            rest = torch.ones(self.dims.vocab_size, dtype=torch.bool)
+            rest[picked.cpu()] = False
             rest = rest.nonzero().squeeze(1)
-            draw = torch.randperm(rest.numel(), device=rest.device)[: self.loss_vocab_sampled]
-            picked = torch.cat([picked, rest[draw]]).sort().values
+            draw = torch.randperm(rest.numel(), generator=torch.Generator().manual_seed(step))
+            picked = torch.cat([picked, rest[draw[: self.loss_vocab_sampled]].to(picked.device)]).sort().values
         self.loss_vocab.copy_(picked)
 
     def reduced_loss_vocab(self) -> bool:
@@ -105,12 +107,16 @@ class FrequentTokenLoss:
     def from_target_vocab(self, logits):
         return logits.index_select(-1, self.loss_vocab) if self.reduced_loss_vocab() else logits
 
-    def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
+    def vocab_linear(self, linear: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        """``linear(h)`` for a vocabulary projection; in training, only the loss vocabulary's rows are computed."""
         if not self.reduced_loss_vocab():
-            return super().target_lm_head(h)
-        lm_head = self.frozen("lm_head")  # training: only the scored rows, in the lm_head's dtype (as DraftHead's)
-        w, b = lm_head.weight.index_select(0, self.loss_vocab), lm_head.bias
-        return F.linear(h.to(w.dtype), w, None if b is None else b[self.loss_vocab]).to(h.dtype)
+            return linear(h)
+        b = linear.bias
+        return F.linear(h, linear.weight.index_select(0, self.loss_vocab), None if b is None else b[self.loss_vocab])
+
+    def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        lm_head = self.frozen("lm_head")  # in the lm_head's dtype, as DraftHead's
+        return self.vocab_linear(lm_head, h.to(lm_head.weight.dtype)).to(h.dtype)
 
 
 @dataclass

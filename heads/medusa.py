@@ -3,7 +3,8 @@
 K independent heads read the target's final-norm hidden state h_t. Head k (0-based) is ``num_layers`` residual
 blocks x + SiLU(Wx + b), W zero-initialised so an untrained head starts as the target's own lm_head, then its own
 lm_head initialised from the target's. Head k at position t predicts x_{t+k+2}, i.e. draft step k+1 in the
-convention of heads.base. Not autoregressive: every step reads the same h_t, so ``step`` ignores the drafted token.
+convention of heads.base. Training may score a reduced vocabulary (``loss_vocab_size`` + ``loss_vocab_sampled``;
+heads.base.FrequentTokenLoss): each step then computes and trains only those rows of the lm_heads. Not autoregressive: every step reads the same h_t, so ``step`` ignores the drafted token.
 Parameter names are vLLM's Medusa names (``blocks.{k}.layers.{l}``, ``lm_heads.{k}``).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import DraftHead, HeadOutput, TargetDims, TargetFeatures
+from heads.base import DraftHead, FrequentTokenLoss, HeadOutput, TargetDims, TargetFeatures
 
 
 class ResBlock(nn.Module):
@@ -30,17 +31,20 @@ class ResBlock(nn.Module):
         return x
 
 
-class Medusa(DraftHead):
+class Medusa(FrequentTokenLoss, DraftHead):
     family = "medusa"
 
-    def __init__(self, dims: TargetDims, num_steps: int = 5, num_layers: int = 1, bias: bool = True):
+    def __init__(self, dims: TargetDims, num_steps: int = 5, num_layers: int = 1, bias: bool = True,
+                 loss_vocab_size: int | None = None, loss_vocab_sampled: int = 0):
         super().__init__(dims, num_steps)
         self.num_layers, self.bias = num_layers, bias
+        self.init_loss_vocab(loss_vocab_size, loss_vocab_sampled)  # training-only: heads.base.FrequentTokenLoss
         self.blocks = nn.ModuleList(ResBlock(dims.hidden_size, num_layers, bias) for _ in range(num_steps))
         self.lm_heads = nn.ModuleList(nn.Linear(dims.hidden_size, dims.vocab_size, bias=False) for _ in range(num_steps))
 
     def hparams(self) -> dict:
-        return {"num_steps": self.num_steps, "num_layers": self.num_layers, "bias": self.bias}
+        return {"num_steps": self.num_steps, "num_layers": self.num_layers, "bias": self.bias,
+                "loss_vocab_size": self.loss_vocab_size, "loss_vocab_sampled": self.loss_vocab_sampled}
 
     @torch.no_grad()
     def init_from_target(self) -> None:
@@ -53,7 +57,7 @@ class Medusa(DraftHead):
         return self.num_steps
 
     def head_logits(self, h: torch.Tensor, k: int) -> torch.Tensor:
-        return self.lm_heads[k](self.blocks[k](h))
+        return self.vocab_linear(self.lm_heads[k], self.blocks[k](h))
 
     def forward(self, feats: TargetFeatures, num_steps: int | None = None) -> HeadOutput:
         h = feats.hidden[self.dims.num_layers]  # [B, T, H]

@@ -105,8 +105,8 @@ class DraftModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         feats = self.features(batch).hidden_as(self.head_dtype())  # a bf16/fp16 target feeds an fp32 head
-        if hasattr(self.head, "resample_loss_vocab"):  # EAGLE-1/MTP: this step's random part of the loss vocabulary
-            self.head.resample_loss_vocab()
+        if hasattr(self.head, "resample_loss_vocab"):  # EAGLE-1/MTP/Medusa: this step's sampled loss tokens
+            self.head.resample_loss_vocab(self.global_step)
         out = self.head(feats)
         loss, stats = head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
                                 temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k

@@ -38,16 +38,17 @@ def pair_hparams():
 
 def hparams_for(family: str, fmt: str, target) -> dict:
     """Hyper-parameters that exercise each format's hard cases where the format can carry them."""
-    if family == "medusa" and fmt == "medusa":
-        return {"num_steps": 5}  # FasterDecoding's loader builds exactly 5 heads
+    loss_vocab = {"loss_vocab_size": target.dims.vocab_size // 4, "loss_vocab_sampled": 8}  # training-only
+    if family == "medusa":  # every export must draft over the full lm_heads
+        return {"num_steps": 5, **loss_vocab} if fmt == "medusa" else loss_vocab  # FasterDecoding's loader builds 5
     if family == "eagle3":
         hp = {"draft_vocab_size": target.dims.vocab_size // 2}
         if fmt != "eagle":  # SafeAILab's code reads only (2, L//2, L-3)
             L = target.dims.num_layers
             hp["aux_layers"] = [L - 3, 2, L - 3]  # unsorted with a repeat: exports must fold and re-lay fc
         return hp
-    if family in ("eagle", "mtp"):  # a training-only loss vocabulary: every export must draft over the full lm_head
-        return {"loss_vocab_size": target.dims.vocab_size // 4}
+    if family in ("eagle", "mtp"):
+        return loss_vocab
     return {}
 
 

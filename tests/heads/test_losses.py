@@ -203,9 +203,9 @@ def test_packed_target_logits_score_as_dense(name, tiny_target):
     torch.testing.assert_close(grid, ref[4])
 
 
-@pytest.mark.parametrize("family", ["eagle", "mtp"])
+@pytest.mark.parametrize("family", ["eagle", "mtp", "medusa"])
 def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family):
-    """loss_vocab_size (EAGLE-1, MTP): in training, the loss is the full-vocabulary head's soft CE restricted to the
+    """loss_vocab_size (EAGLE-1, MTP, Medusa): in training, the loss is the full-vocabulary head's soft CE restricted to the
     most frequent training tokens and renormalised there (brute force below, with the gradients); in eval mode
     (held-out α, drafting, export) the head is the full-vocabulary head with the same weights."""
     from heads import build_head
@@ -254,7 +254,8 @@ def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family
 
 def test_loss_vocab_sampled_adds_fresh_other_tokens_each_step(tiny_target):
     """loss_vocab_sampled: each resample keeps every frequent token and adds that many distinct others, a different
-    draw each time (so every token is under the loss now and then); the loss is the brute-force soft CE over exactly
+    draw each step and the same for the same step (so every token is under the loss now and then, and a resume
+    repeats the draws); the loss is the brute-force soft CE over exactly
     the drawn set, and eval mode still reads the full vocabulary."""
     from heads import build_head
     from heads.losses import head_loss, shift_pair
@@ -263,17 +264,18 @@ def test_loss_vocab_sampled_adds_fresh_other_tokens_each_step(tiny_target):
     head = build_head("mtp", tiny_target.dims, num_steps=2, loss_vocab_size=V // 4, loss_vocab_sampled=V // 8)
     head.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
     counts = torch.rand(V, generator=torch.Generator().manual_seed(3))
-    torch.manual_seed(0)
     head.set_vocab_map(counts)
     frequent = counts.argsort(descending=True)[: V // 4]
     draws = []
-    for _ in range(3):
-        head.resample_loss_vocab()
+    for step in range(3):
+        head.resample_loss_vocab(step)
         ids = head.loss_vocab.clone()
         assert ids.numel() == V // 4 + V // 8 and torch.equal(ids, ids.unique())  # sorted, no repeats
         assert torch.isin(frequent, ids).all()
         draws.append(ids[~torch.isin(ids, frequent)])
     assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    head.resample_loss_vocab(1)  # a function of the step: a resumed run draws the same
+    assert torch.equal(head.loss_vocab[~torch.isin(head.loss_vocab, frequent)], draws[1])
 
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, V, (2, 24), generator=g)

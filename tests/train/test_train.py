@@ -109,14 +109,17 @@ def test_eval_mode_round_trip(fast_cfg, tmp_path, chat_files, tiny_target):
     assert from_serve["num_tokens"] == trained["num_tokens"]
 
 
-def test_resume_reproduces_uninterrupted_run(fast_cfg, write_chat, tmp_path, monkeypatch):
+@pytest.mark.parametrize("head", [("head=eagle",), ("head=medusa", "head.hparams.num_steps=2",
+                                                 "head.hparams.loss_vocab_size=128", "head.hparams.loss_vocab_sampled=64")])
+def test_resume_reproduces_uninterrupted_run(head, fast_cfg, write_chat, tmp_path, monkeypatch):
     """Crash after step 5, resume from the step-4 checkpoint: the final head equals an uninterrupted run's.
 
     24 records / batch 4 = 6 batches per epoch, 8 steps: the resume lands mid-epoch and the run crosses an epoch,
-    so optimizer, scheduler and data position all have to come back right.
+    so optimizer, scheduler and data position all have to come back right; with a sampled loss vocabulary, so do
+    each step's drawn tokens (Medusa's trained lm_heads only learn the rows drawn).
     """
     small = write_chat(tmp_path / "small.jsonl", n=24)
-    common = ("head=eagle", f"data.train_files=[{small}]", "trainer.checkpoint_every_n_steps=4")
+    common = (*head, f"data.train_files=[{small}]", "trainer.checkpoint_every_n_steps=4")
     train(fast_cfg(*common, out=tmp_path / "straight"))
 
     calls = {"n": 0}
