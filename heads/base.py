@@ -73,6 +73,12 @@ class FrequentTokenLoss:
 
     def init_loss_vocab(self, loss_vocab_size: int | None, loss_vocab_sampled: int = 0) -> None:
         V = self.dims.vocab_size
+        if (loss_vocab_size is not None and loss_vocab_size < 1) or loss_vocab_sampled < 0:
+            raise ValueError(f"loss_vocab_size must be >= 1 (or null) and loss_vocab_sampled >= 0; got "
+                             f"{loss_vocab_size}, {loss_vocab_sampled}")
+        if loss_vocab_sampled and not loss_vocab_size:
+            raise ValueError("loss_vocab_sampled adds tokens to a reduced loss vocabulary: set "
+                             "head.hparams.loss_vocab_size too (e.g. 8192), or loss_vocab_sampled=0")
         self.loss_vocab_size = min(loss_vocab_size or V, V)
         self.loss_vocab_sampled = min(loss_vocab_sampled, V - self.loss_vocab_size)
         self.register_buffer("frequent_vocab", torch.arange(self.loss_vocab_size), persistent=False)

@@ -293,3 +293,14 @@ def test_loss_vocab_sampled_adds_fresh_other_tokens_each_step(tiny_target):
             draft, target, m = shift_pair(logits[..., keep], feats.target_logits[..., keep], mask, k)
             ref = ref + -(target[m].softmax(-1) * draft[m].log_softmax(-1)).sum(-1).mean()
     assert loss.item() == pytest.approx(float(ref), rel=1e-5)
+
+
+@pytest.mark.parametrize("hp, match", [({"loss_vocab_sampled": 64}, "set head.hparams.loss_vocab_size"),
+                                       ({"loss_vocab_size": 0}, ">= 1"),
+                                       ({"loss_vocab_size": 64, "loss_vocab_sampled": -1}, ">= 0")])
+def test_loss_vocab_bad_settings_get_one_line_errors(tiny_target, hp, match):
+    from heads import build_head
+
+    with pytest.raises(ValueError, match=match) as err:
+        build_head("medusa", tiny_target.dims, num_steps=2, **hp)
+    assert "\n" not in str(err.value)
