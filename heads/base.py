@@ -85,6 +85,9 @@ class FrequentTokenLoss:
         self.register_buffer("loss_vocab", torch.arange(self.loss_vocab_size + self.loss_vocab_sampled),
                              persistent=False)  # target ids the loss scores this step, sorted
 
+    def loss_vocab_hparams(self) -> dict:
+        return {"loss_vocab_size": self.loss_vocab_size, "loss_vocab_sampled": self.loss_vocab_sampled}
+
     @torch.no_grad()
     def set_vocab_map(self, token_counts: torch.Tensor) -> None:
         """Score the loss_vocab_size most frequent training tokens (all of them by default)."""

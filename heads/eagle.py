@@ -107,7 +107,7 @@ class Eagle(FrequentTokenLoss, ChainHead):
 
     def hparams(self) -> dict:
         return {"num_steps": self.num_steps, "feature_loss_weight": self.feature_loss_weight,
-                "loss_vocab_size": self.loss_vocab_size, "loss_vocab_sampled": self.loss_vocab_sampled}
+                **self.loss_vocab_hparams()}
 
     def fuse(self, hidden):
         return hidden[self.dims.num_layers]  # [B, T, H]: final-norm output, what the lm_head reads

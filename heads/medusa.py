@@ -3,8 +3,9 @@
 K independent heads read the target's final-norm hidden state h_t. Head k (0-based) is ``num_layers`` residual
 blocks x + SiLU(Wx + b), W zero-initialised so an untrained head starts as the target's own lm_head, then its own
 lm_head initialised from the target's. Head k at position t predicts x_{t+k+2}, i.e. draft step k+1 in the
-convention of heads.base. Training may score a reduced vocabulary (``loss_vocab_size`` + ``loss_vocab_sampled``;
-heads.base.FrequentTokenLoss): each step then computes and trains only those rows of the lm_heads. Not autoregressive: every step reads the same h_t, so ``step`` ignores the drafted token.
+convention of heads.base. Not autoregressive: every step reads the same h_t, so ``step`` ignores the drafted token.
+Training may score a reduced vocabulary (``loss_vocab_size`` + ``loss_vocab_sampled``; heads.base.FrequentTokenLoss):
+each step then computes and trains only those rows of the lm_heads.
 Parameter names are vLLM's Medusa names (``blocks.{k}.layers.{l}``, ``lm_heads.{k}``).
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Medusa(FrequentTokenLoss, DraftHead):
 
     def hparams(self) -> dict:
         return {"num_steps": self.num_steps, "num_layers": self.num_layers, "bias": self.bias,
-                "loss_vocab_size": self.loss_vocab_size, "loss_vocab_sampled": self.loss_vocab_sampled}
+                **self.loss_vocab_hparams()}
 
     @torch.no_grad()
     def init_from_target(self) -> None:

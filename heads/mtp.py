@@ -45,8 +45,7 @@ class Mtp(FrequentTokenLoss, DraftHead):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)  # DeepSeek's shared_head.norm
 
     def hparams(self) -> dict:
-        return {"num_steps": self.num_steps, "loss_vocab_size": self.loss_vocab_size,
-                "loss_vocab_sampled": self.loss_vocab_sampled}
+        return {"num_steps": self.num_steps, **self.loss_vocab_hparams()}
 
     @property
     def max_draft_steps(self) -> int:

@@ -265,7 +265,7 @@ def choose_setting(dec: Decoder) -> None:
         dec.backlog = []
 
 
-@torch.inference_mode()  # 0.94x the step of no_grad on CPU (README); state made here stays in here
+@torch.inference_mode()  # plain decoding took 0.926x the time of no_grad on CPU (README)
 def generate(dec: Decoder, prompt: torch.Tensor, max_new_tokens: int, stop_ids=()) -> tuple[list[int], Stats]:
     """Decode up to max_new_tokens after prompt [P] (stopping after a stop id). Returns (tokens, this call's stats)."""
     dec.stats, dec.backlog, dec.trace = Stats(), [], []

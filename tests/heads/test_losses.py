@@ -205,8 +205,8 @@ def test_packed_target_logits_score_as_dense(name, tiny_target):
 
 @pytest.mark.parametrize("family", ["eagle", "mtp", "medusa"])
 def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family):
-    """loss_vocab_size (EAGLE-1, MTP, Medusa): in training, the loss is the full-vocabulary head's soft CE restricted to the
-    most frequent training tokens and renormalised there (brute force below, with the gradients); in eval mode
+    """loss_vocab_size (EAGLE-1, MTP, Medusa): in training, the loss is the full-vocabulary head's soft CE restricted
+    to the most frequent training tokens and renormalised there (brute force below, with the gradients); in eval mode
     (held-out α, drafting, export) the head is the full-vocabulary head with the same weights."""
     from heads import build_head
     from heads.losses import head_loss, shift_pair
@@ -229,7 +229,7 @@ def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family
 
     def brute(head):  # every position's full logits, then the frequent columns, then the mask
         out = head(feats)
-        total = sum(out.aux.values(), torch.tensor(0.0))  # EAGLE-1's feature loss; MTP has none
+        total = sum(out.aux.values(), torch.tensor(0.0))  # EAGLE-1's feature loss; MTP and Medusa have none
         for k, logits in enumerate(out.logits, start=1):
             draft, target, m = shift_pair(logits[..., keep], feats.target_logits[..., keep], mask, k)
             total = total + 0.8 ** (k - 1) * -(target[m].softmax(-1) * draft[m].log_softmax(-1)).sum(-1).mean()
@@ -255,8 +255,8 @@ def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family
 def test_loss_vocab_sampled_adds_fresh_other_tokens_each_step(tiny_target):
     """loss_vocab_sampled: each resample keeps every frequent token and adds that many distinct others, a different
     draw each step and the same for the same step (so every token is under the loss now and then, and a resume
-    repeats the draws); the loss is the brute-force soft CE over exactly
-    the drawn set, and eval mode still reads the full vocabulary."""
+    repeats the draws); the loss is the brute-force soft CE over exactly the drawn set, and eval mode still reads
+    the full vocabulary."""
     from heads import build_head
     from heads.losses import head_loss, shift_pair
 

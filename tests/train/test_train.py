@@ -109,8 +109,11 @@ def test_eval_mode_round_trip(fast_cfg, tmp_path, chat_files, tiny_target):
     assert from_serve["num_tokens"] == trained["num_tokens"]
 
 
-@pytest.mark.parametrize("head", [("head=eagle",), ("head=medusa", "head.hparams.num_steps=2",
-                                                 "head.hparams.loss_vocab_size=128", "head.hparams.loss_vocab_sampled=64")])
+SAMPLED_MEDUSA = ("head=medusa", "head.hparams.num_steps=2", "head.hparams.loss_vocab_size=128",
+                  "head.hparams.loss_vocab_sampled=64")
+
+
+@pytest.mark.parametrize("head", [("head=eagle",), SAMPLED_MEDUSA])
 def test_resume_reproduces_uninterrupted_run(head, fast_cfg, write_chat, tmp_path, monkeypatch):
     """Crash after step 5, resume from the step-4 checkpoint: the final head equals an uninterrupted run's.
 
