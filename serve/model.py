@@ -52,23 +52,47 @@ class Linear(nn.Linear):
     ~20% more, so one thread keeps x·Wt. The halves are the same columns: the result is bit-identical to x·Wt."""
 
     weight_t: torch.Tensor | None = None  # [in, out] copy for one-token steps on CPU (set by Transformer.from_hf)
+    halves: torch.Tensor | None = None  # weight_t as [2, in, out/2] (a view), set by Transformer.compile on >1 thread
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[-2]
-        if self.weight_t is not None and T == 1 and x.dim() == 3:
-            d_in, d_out = self.weight_t.shape
-            if d_out % 2 or torch.get_num_threads() == 1:
-                out = x @ self.weight_t  # [1, 1, out]
-            else:  # [2, 1, in] @ [2, in, out/2]: a half per thread
-                halves = self.weight_t.view(d_in, 2, d_out // 2).transpose(0, 1)
-                out = torch.bmm(x[0].expand(2, 1, d_in), halves).transpose(0, 1).reshape(1, 1, d_out)
-            return out if self.bias is None else out + self.bias
-        if x.device.type != "cpu" or not 1 < T <= FEW_TOKENS or x.dim() != 3 or x.shape[0] != 1:
-            return super().forward(x)
-        out = (self.weight @ x[0].transpose(0, 1)).transpose(0, 1).contiguous()  # [T, out]
-        if self.bias is not None:
-            out = out + self.bias
-        return out[None]
+        if torch.compiler.is_compiling() and x.device.type == "cpu":
+            if self.weight_t is not None and x.shape[-2] == 1 and x.dim() == 3:
+                return self.compiled_row(x)
+            if x.dim() == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= FEW_TOKENS:  # (W·xᵀ)ᵀ as one mm, as eager
+                out = (self.weight @ x[0].transpose(0, 1)).transpose(0, 1)[None]
+                return out if self.bias is None else out + self.bias
+            return torch.ops.draftheads.project(x, self.weight, self.weight_t, self.bias)  # see Transformer.compile
+        return project(x, self.weight, self.weight_t, self.bias)
+
+    def compiled_row(self, x: torch.Tensor) -> torch.Tensor:
+        """``project``'s one-token product in ops inductor leaves to MKL: it lowers a one-row ``bmm`` to its own
+        loops (half MKL's speed here), but calls ``baddbmm`` (= bmm at beta=0) and ``mm`` as they are."""
+        d_in = x.shape[-1]
+        if self.halves is None:
+            out = (x.view(1, d_in) @ self.weight_t).view(1, 1, -1)
+        else:
+            out = torch.baddbmm(x.new_zeros(2, 1, self.halves.shape[2]), x[0].expand(2, 1, d_in), self.halves, beta=0)
+            out = out.transpose(0, 1).reshape(1, 1, -1)
+        return out if self.bias is None else out + self.bias
+
+
+def project(x, weight, weight_t, bias):
+    """``Linear``'s product: x·Wt (as column halves on several threads) for one token, (W·xᵀ)ᵀ for a few."""
+    T = x.shape[-2]
+    if weight_t is not None and T == 1 and x.dim() == 3:
+        d_in, d_out = weight_t.shape
+        if d_out % 2 or torch.get_num_threads() == 1:
+            out = x @ weight_t  # [1, 1, out]
+        else:  # [2, 1, in] @ [2, in, out/2]: a half per thread
+            halves = weight_t.view(d_in, 2, d_out // 2).transpose(0, 1)
+            out = torch.bmm(x[0].expand(2, 1, d_in), halves).transpose(0, 1).reshape(1, 1, d_out)
+        return out if bias is None else out + bias
+    if x.device.type != "cpu" or not 1 < T <= FEW_TOKENS or x.dim() != 3 or x.shape[0] != 1:
+        return F.linear(x, weight, bias)
+    out = (weight @ x[0].transpose(0, 1)).transpose(0, 1).contiguous()  # [T, out]
+    if bias is not None:
+        out = out + bias
+    return out[None]
 
 
 class RMSNorm(layers.RMSNorm):
@@ -97,8 +121,10 @@ class Attention(nn.Module):
         end = start + T
         k_cache[:, :, start:end] = qk[:, nH:]  # a slice, not an index tensor: no host sync, no copy of the prefix
         v_cache[:, :, start:end] = qkv[:, nH + nKV :]
-        o = attend(qk[:, :nH], k_cache[:, :, :end], v_cache[:, :, :end], mask)
-        return self.o_proj(o.transpose(1, 2).reshape(1, T, nH * hd))
+        q, k, v = qk[:, :nH], k_cache[:, :, :end], v_cache[:, :, :end]
+        if torch.compiler.is_compiling() and x.device.type == "cpu":  # one opaque call: see Transformer.compile
+            return self.o_proj(torch.ops.draftheads.attend(q, k, v, mask))
+        return self.o_proj(attend(q, k, v, mask))
 
 
 def attend(q, k, v, mask):
@@ -109,16 +135,35 @@ def attend(q, k, v, mask):
     against 65 ms with attention on one thread and the projections still on two (machine shared with a 2-thread
     training job, best of 5; scripts/bench_step.py prints both rows). For 2-8 token passes the same runs were too
     noisy to call either way. The switch costs well under a microsecond; it is process-wide, so two models
-    stepping in parallel threads of one process would see each other's setting."""
+    stepping in parallel threads of one process would see each other's setting.
+    q [1, nH, T, hd], k and v [1, nKV, S, hd] -> [1, T, nH·hd], the heads side by side (o_proj's input)."""
     gqa = q.shape[1] != k.shape[1]
     threads = torch.get_num_threads()
     if q.device.type != "cpu" or threads == 1 or q.shape[2] > SERIAL_ATTENTION_TOKENS:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    torch.set_num_threads(1)
-    try:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    finally:
-        torch.set_num_threads(threads)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    else:
+        torch.set_num_threads(1)
+        try:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        finally:
+            torch.set_num_threads(threads)
+    return o.transpose(1, 2).reshape(1, q.shape[2], q.shape[1] * q.shape[3])
+
+
+# Under torch.compile (Transformer.compile) a few-token projection and attention stay the eager code above, one
+# opaque op each, and inductor fuses what lies between them (norms, rotary, residuals, silu, cache writes) into a
+# few C++ loops per layer. Traced as they are, attention's switch to one thread cannot be traced at all, and
+# projections would be lowered to inductor's own loops; the one-token projection needs no op (Linear.compiled_row).
+if not hasattr(torch.ops.draftheads, "project"):  # scripts/bench_step.py may load a second copy of this file
+    _OPS = torch.library.Library("draftheads", "FRAGMENT")
+    _OPS.define("project(Tensor x, Tensor weight, Tensor? weight_t, Tensor? bias) -> Tensor")
+    _OPS.define("attend(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor")
+    _OPS.impl("project", project, "CPU")
+    _OPS.impl("attend", attend, "CPU")
+    torch.library.register_fake("draftheads::project", lib=_OPS)(
+        lambda x, weight, weight_t, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
+    torch.library.register_fake("draftheads::attend", lib=_OPS)(
+        lambda q, k, v, mask: q.new_empty(1, q.shape[2], q.shape[1] * q.shape[3]))
 
 
 class MLP(nn.Module):
@@ -168,8 +213,11 @@ class Transformer(nn.Module):
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
         self.attention_scaling = attention_scaling  # HF's rope scaling factor (1.0 for plain rope)
-        self.k_cache: torch.Tensor | None = None  # [L, 1, nKV, S, hd]
-        self.v_cache: torch.Tensor | None = None
+        # One [1, nKV, S, hd] tensor per layer, not one [L, ...] tensor: a compiled step then writes each layer's
+        # new rows in place, where slices of one shared tensor made inductor copy every layer's cache each step.
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self._compiled = None  # the compiled _forward, once compile() is called
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module) -> "Transformer":
@@ -189,6 +237,25 @@ class Transformer(nn.Module):
                 module.weight_t = module.weight.t().contiguous()
         return model
 
+    def compile(self, **kwargs) -> "Transformer":
+        """Compile the forward with torch.compile (kwargs go to it), gpt-fast's cure for per-op overhead.
+
+        A decode step runs ~2,000 small ops over 30 layers, each paying PyTorch's dispatch (~15 ms of a ~60 ms
+        SmolLM2 step on a 2-core CPU, README); compiled, they become a few fused loops per layer between the
+        projections and attention, which stay the eager kernels (see the ops above). Each new pass shape (one
+        token, a few, a prompt; with or without hidden states) compiles once, minutes on a small CPU; the
+        position ``start`` is dynamic after its second value. Results match eager to float rounding (the same
+        products; fused norms and rotary sum in another order). One-token projections split their columns over
+        two threads if there are two or more now, as eager steps do."""
+        threads = torch.get_num_threads()  # fixed now: a traced thread query breaks the graph
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight_t is not None:
+                d_in, d_out = module.weight_t.shape
+                split = threads > 1 and d_out % 2 == 0
+                module.halves = module.weight_t.view(d_in, 2, d_out // 2).transpose(0, 1) if split else None
+        self._compiled = torch.compile(self._forward, **kwargs)
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
@@ -199,16 +266,16 @@ class Transformer(nn.Module):
 
     @property
     def max_slots(self) -> int:
-        return 0 if self.k_cache is None else self.k_cache.shape[3]
+        return self.k_cache[0].shape[2] if self.k_cache else 0
 
     def setup_cache(self, max_slots: int) -> None:
         """Allocate (or keep, when big enough) the KV cache; every later forward only indexes into it."""
         if self.max_slots >= max_slots:
             return
         c = self.config
-        shape = (self.num_layers, 1, c.num_key_value_heads, max_slots, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        shape = (1, c.num_key_value_heads, max_slots, self.head_dim)
+        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
+        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
 
     def rotary(self, positions: torch.Tensor):
         angles = positions.float()[:, None] * self.inv_freq  # [T, hd/2]
@@ -228,6 +295,13 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         if start + T > self.max_slots:
             raise ValueError(f"KV cache of {self.max_slots} slots is full (need {start + T}); call setup_cache")
+        # Which hidden states to keep, as one bool per index: torch.compile specialises on bools, where the ints of
+        # a tuple may be traced as symbols (dynamic=True), and a test saw ``i in hidden_layers`` then keep none.
+        keep = tuple(k in hidden_layers for k in range(self.num_layers + 1))
+        return (self._compiled or self._forward)(tokens, start, positions, tree_bias, keep, last_only)
+
+    def _forward(self, tokens, start: int, positions, tree_bias, keep: tuple[bool, ...], last_only: bool):
+        T = tokens.shape[1]
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
         mask = None
@@ -238,11 +312,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         hidden = {}
         for i, layer in enumerate(self.layers):
-            if i in hidden_layers:
+            if keep[i]:
                 hidden[i] = x
             x = layer(x, cos, sin, self.k_cache[i], self.v_cache[i], start, mask)
         x = self.norm(x)
-        if self.num_layers in hidden_layers:
+        if keep[self.num_layers]:
             hidden[self.num_layers] = x
         logits = self.lm_head(x[:, -1:] if last_only else x)[0].float()
         return logits, hidden
@@ -254,8 +328,8 @@ class Transformer(nn.Module):
         Advanced indexing reads a copy of the source rows first, so overlapping ranges are safe.
         """
         n = src_slots.shape[0]
-        self.k_cache[:, :, :, dst : dst + n] = self.k_cache[:, :, :, src_slots]
-        self.v_cache[:, :, :, dst : dst + n] = self.v_cache[:, :, :, src_slots]
+        for cache in self.k_cache + self.v_cache:
+            cache[:, :, dst : dst + n] = cache[:, :, src_slots]
 
 
 def fuse_projections(state: dict) -> dict:

@@ -112,3 +112,38 @@ def test_full_cache_is_refused(tiny_target):
     model.setup_cache(8)
     with pytest.raises(ValueError, match="full"):
         model(torch.zeros(1, 9, dtype=torch.long), 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_forward_equals_eager(chaotic_target, threads):
+    """Transformer.compile traces the whole forward as one graph (fullgraph: no thread query or switch is traced),
+    and on one thread (one-token projections as mm) or two (as baddbmm over the column halves, mm for the odd-width
+    lm_head) a prompt with hidden states, one-token steps at moving positions and a tree pass give eager's logits,
+    hidden states and cache rows."""
+    torch.set_num_threads(threads)
+    try:
+        eager = Transformer.from_hf(chaotic_target.model)
+        compiled = Transformer.from_hf(chaotic_target.model).compile(fullgraph=True, dynamic=True)
+        linears = [m for m in compiled.modules() if isinstance(m, Linear)]  # the lm_head's 259 columns stay whole
+        assert [m.halves is not None for m in linears] == [threads > 1 and m.out_features % 2 == 0 for m in linears]
+        g = torch.Generator().manual_seed(2)
+        ids = torch.randint(0, 256, (1, 24), generator=g)
+        parents = [-1, 0, 0, 1]
+        tree = torch.randint(0, 256, (1, len(parents)), generator=g)
+        for model in (eager, compiled):
+            model.setup_cache(40)
+        runs = [dict(tokens=ids[:, :20], start=0, hidden_layers=(1, 2))]
+        runs += [dict(tokens=ids[:, i : i + 1], start=i) for i in range(20, 24)]
+        runs += [dict(tokens=tree, start=24, positions=24 + tree_depths(parents),
+                      tree_bias=tree_attention_bias(parents), hidden_layers=(2,))]
+        for run in runs:
+            (want, want_h), (got, got_h) = eager(**run), compiled(**run)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            assert got_h.keys() == want_h.keys()
+            for k in want_h:
+                torch.testing.assert_close(got_h[k], want_h[k], atol=1e-4, rtol=1e-4)
+        for mine, theirs in zip(compiled.k_cache + compiled.v_cache, eager.k_cache + eager.v_cache):
+            torch.testing.assert_close(mine[:, :, :28], theirs[:, :, :28], atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(1)
