@@ -207,6 +207,8 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     except (FileNotFoundError, OSError, ValueError) as e:
         raise UserError(f"target {cfg.target.name}: {e}") from e
     model = Transformer.from_hf(target.model)
+    if cfg.get("compile"):
+        model.compile()
     head, head_dir = (None, None)
     if cfg.head_path:
         head, head_dir = load_draft_head(cfg.head_path, target, model, dtype)
