@@ -6,6 +6,8 @@ On the same target, threads and cached context (--context tokens), best of --rep
 - serve/model.py as it runs (few-token projections as W·xᵀ), and with few-token passes as plain x·Wᵀ
   (FEW_TOKENS = 0; the one-token path is the same code in both), and with few-token attention split over all
   --threads (SERIAL_ATTENTION_TOKENS = 0; serve runs it on one thread);
+- with --compile: serve/model.py under torch.compile (Transformer.compile), and --ab-steps alternating one-token
+  steps of it and the eager model;
 - with --baseline REV: serve/model.py as it was at git revision REV (before/after a change, in the same run), and
   --ab-steps one-token steps of the two alternating, whose median per-pair ratio is steadier than best-of-reps
   (on a shared 2-core VM best-of-7 whole steps swing ±15% run to run; a pair sees the same moment);
@@ -48,11 +50,14 @@ def parse_args():
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--no-bf16", action="store_true")
+    p.add_argument("--compile", action="store_true", help="also time serve/model.py under torch.compile "
+                   "(Transformer.compile; compiling each pass size takes minutes on a small CPU)")
     p.add_argument("--skip", nargs="+", default=[], choices=["x-wt", "all-threads", "hf", "bound"],
                    help="leave rows out (a busy machine): few tokens as x·Wᵀ, attention on all threads, HF, "
                         "the weight-read bound")
     p.add_argument("--baseline", metavar="REV", help="also time serve/model.py as of this git revision")
-    p.add_argument("--ab-steps", type=int, default=60, help="with --baseline: alternating one-token step pairs")
+    p.add_argument("--ab-steps", type=int, default=60, help="with --baseline or --compile: alternating one-token "
+                   "step pairs")
     p.add_argument("--llama-poll", type=int, default=50, help="llama-bench --poll: 50 (its default) spins its "
                    "threads between ops, which on a busy machine costs it seconds a token; 0 lets them sleep")
     p.add_argument("--llama-timeout", type=float, default=60, help="seconds before a llama-bench run is dropped")
@@ -191,6 +196,10 @@ def main():
         methods["serve, few tokens as x·Wᵀ"] = plain_linear
     if args.threads > 1 and "all-threads" not in args.skip:
         methods["serve, attention on all threads"] = threaded_attention
+    if args.compile:  # prefilled eagerly, so only the step and pass shapes compile (in timings' warm-up)
+        compiled = Transformer.from_hf(hf)
+        methods["serve, compiled"] = serve_step(compiled, ids, args.context)
+        compiled.compile()
     if "hf" not in args.skip:
         methods["hf"] = HFStep(hf, ids, args.context)
     if args.baseline:
@@ -213,6 +222,9 @@ def main():
     paired = None
     if args.baseline and args.ab_steps:
         paired = paired_ratio(methods["serve"], methods[f"serve @ {args.baseline}"], args.ab_steps)
+    paired_compiled = None
+    if args.compile and args.ab_steps:
+        paired_compiled = paired_ratio(methods["serve, compiled"], methods["serve"], args.ab_steps)
     rows = []
     for name, t in best.items():
         row = {"method": name, "step_ms": 1e3 * t[1], **{f"r({n})": t[n] / t[1] for n in args.sizes if n > 1}}
@@ -223,6 +235,7 @@ def main():
         rows.append({"method": f"llama.cpp f32 (llama-bench, poll {args.llama_poll})",
                      "step_ms": 1e3 * llama["step_s"], "r(4)": llama["r4"], "step / llama.cpp": 1.0})
     report = {"rows": rows, "llama_bench": llama, "args": vars(args), "serve_over_baseline_paired": paired,
+              "compiled_over_eager_paired": paired_compiled,
               "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                           "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads},
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -231,6 +244,9 @@ def main():
     print(f"{'method':40s}" + "".join(f"{c:>18s}" for c in cols))
     for row in rows:
         print(f"{row['method']:40s}" + "".join(f"{row[c]:18.2f}" if c in row else f"{'':18s}" for c in cols))
+    if paired_compiled is not None:
+        print(f"one-token step, serve compiled ÷ eager: {paired_compiled:.3f} (median over {args.ab_steps} "
+              "alternating pairs)")
     if paired is not None:
         print(f"one-token step, serve ÷ serve @ {args.baseline}: {paired:.3f} (median over {args.ab_steps} "
               "alternating pairs)")
