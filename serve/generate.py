@@ -272,6 +272,7 @@ def generate(dec: Decoder, prompt: torch.Tensor, max_new_tokens: int, stop_ids=(
     if dec.adaptive is not None:
         dec.adaptive.reset()
     t0 = time.perf_counter()
+    prompt = prompt.clone()  # an inference tensor, as every later input: a compiled model keeps a graph for each kind
     out = [prefill(dec, prompt, max_new_tokens)]
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
         if dec.adaptive is not None:
