@@ -55,13 +55,13 @@ class Linear(nn.Linear):
     halves: torch.Tensor | None = None  # weight_t as [2, in, out/2] (a view), set by Transformer.compile on >1 thread
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and x.device.type == "cpu":
+        if torch.compiler.is_compiling() and x.device.type == "cpu":  # see Transformer.compile
             if self.weight_t is not None and x.shape[-2] == 1 and x.dim() == 3:
                 return self.compiled_row(x)
-            if x.dim() == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= FEW_TOKENS:  # (W·xᵀ)ᵀ as one mm, as eager
-                out = (self.weight @ x[0].transpose(0, 1)).transpose(0, 1)[None]
+            if few_tokens(x):  # left transposed: inductor lays it out for the op that reads it
+                out = transposed_product(x, self.weight)[None]
                 return out if self.bias is None else out + self.bias
-            return torch.ops.draftheads.project(x, self.weight, self.weight_t, self.bias)  # see Transformer.compile
+            return F.linear(x, self.weight, self.bias)
         return project(x, self.weight, self.weight_t, self.bias)
 
     def compiled_row(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,12 +87,21 @@ def project(x, weight, weight_t, bias):
             halves = weight_t.view(d_in, 2, d_out // 2).transpose(0, 1)
             out = torch.bmm(x[0].expand(2, 1, d_in), halves).transpose(0, 1).reshape(1, 1, d_out)
         return out if bias is None else out + bias
-    if x.device.type != "cpu" or not 1 < T <= FEW_TOKENS or x.dim() != 3 or x.shape[0] != 1:
+    if x.device.type != "cpu" or not few_tokens(x):
         return F.linear(x, weight, bias)
-    out = (weight @ x[0].transpose(0, 1)).transpose(0, 1).contiguous()  # [T, out]
+    out = transposed_product(x, weight).contiguous()  # [T, out]
     if bias is not None:
         out = out + bias
     return out[None]
+
+
+def few_tokens(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= FEW_TOKENS
+
+
+def transposed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, T, in] -> x·Wᵀ [T, out] computed as (W·xᵀ)ᵀ, a transposed view (see Linear)."""
+    return (weight @ x[0].transpose(0, 1)).transpose(0, 1)
 
 
 class RMSNorm(layers.RMSNorm):
@@ -150,18 +159,13 @@ def attend(q, k, v, mask):
     return o.transpose(1, 2).reshape(1, q.shape[2], q.shape[1] * q.shape[3])
 
 
-# Under torch.compile (Transformer.compile) a few-token projection and attention stay the eager code above, one
-# opaque op each, and inductor fuses what lies between them (norms, rotary, residuals, silu, cache writes) into a
-# few C++ loops per layer. Traced as they are, attention's switch to one thread cannot be traced at all, and
-# projections would be lowered to inductor's own loops; the one-token projection needs no op (Linear.compiled_row).
-if not hasattr(torch.ops.draftheads, "project"):  # scripts/bench_step.py may load a second copy of this file
+# Under torch.compile (Transformer.compile) attention stays the eager code above, one opaque op, because its switch
+# to one thread cannot be traced; inductor fuses what lies between it and the projections (norms, rotary,
+# residuals, silu, cache writes) into a few C++ loops per layer.
+if not hasattr(torch.ops.draftheads, "attend"):  # scripts/bench_step.py may load a second copy of this file
     _OPS = torch.library.Library("draftheads", "FRAGMENT")
-    _OPS.define("project(Tensor x, Tensor weight, Tensor? weight_t, Tensor? bias) -> Tensor")
     _OPS.define("attend(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor")
-    _OPS.impl("project", project, "CPU")
     _OPS.impl("attend", attend, "CPU")
-    torch.library.register_fake("draftheads::project", lib=_OPS)(
-        lambda x, weight, weight_t, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
     torch.library.register_fake("draftheads::attend", lib=_OPS)(
         lambda q, k, v, mask: q.new_empty(1, q.shape[2], q.shape[1] * q.shape[3]))
 
@@ -242,7 +246,7 @@ class Transformer(nn.Module):
 
         A decode step runs ~2,000 small ops over 30 layers, each paying PyTorch's dispatch (~15 ms of a ~60 ms
         SmolLM2 step on a 2-core CPU, README); compiled, they become a few fused loops per layer between the
-        projections and attention, which stay the eager kernels (see the ops above). Each new pass shape (one
+        projections (MKL's products, see Linear.compiled_row) and attention (an opaque op, see above). Each new pass shape (one
         token, a few, a prompt; with or without hidden states) compiles once, minutes on a small CPU; the
         position ``start`` is dynamic after its second value. Results match eager to float rounding (the same
         products; fused norms and rotary sum in another order). One-token projections split their columns over
