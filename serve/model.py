@@ -147,6 +147,8 @@ def attend(q, k, v, mask):
     stepping in parallel threads of one process would see each other's setting.
     q [1, nH, T, hd], k and v [1, nKV, S, hd] -> [1, T, nH·hd], the heads side by side (o_proj's input)."""
     gqa = q.shape[1] != k.shape[1]
+    if q.stride(-1) != 1:  # compiled few-token passes hand q over hd-strided; CPU SDPA's flash kernel then
+        q = q.contiguous()  # declines, and its math fallback cost a 4-token pass ~1.3 ms a layer in copies
     threads = torch.get_num_threads()
     if q.device.type != "cpu" or threads == 1 or q.shape[2] > SERIAL_ATTENTION_TOKENS:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
