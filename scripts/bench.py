@@ -33,7 +33,7 @@ from heads.target import load_target, shared_dir
 from serve import auto
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
-from serve.main import load_prompts, make_tree, stop_ids
+from serve.main import load_prompts, make_tree, ready_to_draft, stop_ids
 from serve.model import Transformer
 from serve.tree import MEDUSA_TREE
 
@@ -101,8 +101,7 @@ def load_heads(args, dirs, target, model) -> list[dict]:
         head.init_from_target()
         heads.append({"head": head, "dir": None, "label": f"{family} (untrained)"})
     for h in heads:
-        h["head"].attach_target(model.embed_tokens, model.lm_head, model.norm)
-        h["head"].to(model.dtype).eval().requires_grad_(False)
+        ready_to_draft(h["head"], model, model.dtype)
     return heads
 
 

@@ -55,6 +55,8 @@ class Linear(nn.Linear):
     halves: torch.Tensor | None = None  # weight_t as [2, in, out/2] (a view), set by Transformer.compile on >1 thread
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # rows as a head reads them out ([1, H] a chain step, [N, H] a tree's nodes): T = rows
+            return self.forward(x[None])[0]
         if torch.compiler.is_compiling() and x.device.type == "cpu":  # see Transformer.compile
             if self.weight_t is not None and x.shape[-2] == 1 and x.dim() == 3:
                 return self.compiled_row(x)
@@ -74,6 +76,23 @@ class Linear(nn.Linear):
             out = torch.baddbmm(x.new_zeros(2, 1, self.halves.shape[2]), x[0].expand(2, 1, d_in), self.halves, beta=0)
             out = out.transpose(0, 1).reshape(1, 1, -1)
         return out if self.bias is None else out + self.bias
+
+
+def fast_linears(module: nn.Module) -> nn.Module:
+    """Make every nn.Linear under ``module`` this file's Linear, in place: same tensors, plus on CPU the [in, out]
+    copy its one-token products read. For a draft head, whose drafting is a chain of one-token steps: its
+    projections (and a Medusa or EAGLE-3 head's own lm_head) then run as the target's do. Modules the head only
+    references (the target's embedding and lm_head) are not its children and are left alone."""
+    for name, child in module.named_children():
+        if type(child) is nn.Linear:
+            fast = Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            fast.weight, fast.bias = child.weight, child.bias
+            if child.weight.device.type == "cpu":
+                fast.weight_t = child.weight.detach().t().contiguous()
+            setattr(module, name, fast)
+        else:
+            fast_linears(child)
+    return module
 
 
 def project(x, weight, weight_t, bias):

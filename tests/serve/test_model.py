@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from serve.model import Linear, Transformer
+from serve.model import Linear, Transformer, fast_linears
 from serve.verify import tree_attention_bias, tree_depths
+
+from tests.serve.conftest import perturbed_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,6 +63,36 @@ def test_one_token_product_on_two_threads_is_x_times_wt(tiny_target):
             x = torch.randn(1, 1, lin.in_features, generator=g)
             expected = x @ lin.weight_t + (0 if lin.bias is None else lin.bias)
             assert torch.equal(lin(x), expected)
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fast_linears_draft_as_before(tiny_target, family, threads):
+    """A head given the runner's projections (fast_linears, as serve/ loads heads) drafts the same logits as
+    before, on one thread and on two (where one-token products split their columns): no nn.Linear is left, and
+    no weight or bias was dropped or transposed on the way."""
+    model = Transformer.from_hf(tiny_target.model)
+    model.setup_cache(64)
+    head = perturbed_head(family, tiny_target, model)
+    tokens = torch.randint(0, tiny_target.dims.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    _, hidden = model(tokens[:, :-1], 0, hidden_layers=head.feature_layers)
+    torch.set_num_threads(threads)
+    try:
+        def draft():
+            cache = head.new_cache(64, "cpu", torch.float32)
+            logits, state = head.commit(cache, hidden, tokens[:, 1:], 0)
+            out = [logits]
+            for depth in (2, 3):
+                logits, state = head.step(cache, state, logits.argmax(-1), depth)
+                out.append(logits)
+            return torch.cat(out)
+
+        before = draft()
+        fast_linears(head)
+        assert not any(type(m) is nn.Linear for m in head.modules())
+        torch.testing.assert_close(draft(), before, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(1)
 
