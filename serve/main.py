@@ -238,7 +238,7 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     from tqdm import tqdm
 
     if cfg.get("compile"):  # compile the pass shapes before the clock runs (minutes on a small CPU): two prompts,
-        # so that the prompt length is traced as dynamic too; their state is reset by the next generate()
+        # so that the decode position is traced as dynamic too; their state is reset by the next generate()
         log.info("compile=true: compiling the target's passes on %d warm-up requests (not timed)", min(2, len(prompts)))
         for p in prompts[:2]:
             generate(dec, torch.tensor(p["prompt_ids"], device=device), min(16, cfg.max_new_tokens), stops)

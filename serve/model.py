@@ -26,6 +26,7 @@ SUPPORTED = ("llama", "mistral", "qwen2")  # same block; qwen2 only adds q/k/v b
 
 
 FEW_TOKENS = 16  # up to this many tokens a projection runs as W·xᵀ (see Linear)
+COMPILED_MAX_TOKENS = 128  # under Transformer.compile, longer passes run eager (a verify pass: <= 65 tokens)
 SERIAL_ATTENTION_TOKENS = 16  # up to this many tokens attention runs on one CPU thread (see attend; 0: never)
 WEIGHT_T_MAX_BYTES = 4 << 30  # the [in, out] copies double weight memory: only for targets a CPU box holds twice
 
@@ -267,17 +268,26 @@ class Transformer(nn.Module):
 
         A decode step runs ~2,000 small ops over 30 layers, each paying PyTorch's dispatch (~15 ms of a ~60 ms
         SmolLM2 step on a 2-core CPU, README); compiled, they become a few fused loops per layer between the
-        projections (MKL's products, see Linear.compiled_row) and attention (an opaque op, see above). Each new pass shape (one
-        token, a few, a prompt; with or without hidden states) compiles once, minutes on a small CPU; the
-        position ``start`` is dynamic after its second value. Results match eager to float rounding (the same
-        products; fused norms and rotary sum in another order). One-token projections split their columns over
-        two threads if there are two or more now, as eager steps do."""
+        projections (MKL's products, see Linear.compiled_row) and attention (an opaque op, see above). Each pass
+        kind (one token; a few, chain or tree; per set of hidden states kept) compiles once, minutes on a small
+        CPU; the position ``start`` and the token count turn dynamic on their second value. Results match eager
+        to float rounding (the same products; fused norms and rotary sum in another order). One-token
+        projections split their columns over two threads if there are two or more now, as eager steps do.
+
+        Prompts stay eager (``last_only`` passes, as the decode loop's prefill is, and any pass over more than
+        COMPILED_MAX_TOKENS): they are GEMMs that dispatch overhead barely touches, and every new prompt length,
+        hidden-state set and last_only flag cost dynamo another graph, some in the middle of a benchmark's timed
+        requests (a 4-head scripts/bench.py run had compiled 26 graphs and was still compiling)."""
         threads = torch.get_num_threads()  # fixed now: a traced thread query breaks the graph
         for module in self.modules():
             if isinstance(module, Linear) and module.weight_t is not None:
                 d_in, d_out = module.weight_t.shape
                 split = threads > 1 and d_out % 2 == 0
                 module.halves = module.weight_t.view(d_in, 2, d_out // 2).transpose(0, 1) if split else None
+        # One graph per pass kind is expected: one token, a few, a tree, each per set of hidden states kept (one
+        # per head family in a benchmark) and once more when a size turns dynamic. Past dynamo's default of 8 the
+        # rest would run eagerly, silently slower.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._compiled = torch.compile(self._forward, **kwargs)
         return self
 
@@ -323,7 +333,16 @@ class Transformer(nn.Module):
         # Which hidden states to keep, as one bool per index: torch.compile specialises on bools, where the ints of
         # a tuple may be traced as symbols (dynamic=True), and a test saw ``i in hidden_layers`` then keep none.
         keep = tuple(k in hidden_layers for k in range(self.num_layers + 1))
-        return (self._compiled or self._forward)(tokens, start, positions, tree_bias, keep, last_only)
+        if self._compiled is None or last_only or T > COMPILED_MAX_TOKENS:  # prompts stay eager: see compile()
+            return self._forward(tokens, start, positions, tree_bias, keep, last_only)
+        # Chain and tree passes share a graph: both get positions and a block mask, where None for either would be
+        # a graph of its own. A slice of a longer id tensor starts at a storage offset, which dynamo guards on (0,
+        # 1 or more): a copy of the few ids starts at 0 and costs no graph.
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device)
+        if T > 1 and tree_bias is None:
+            tree_bias = causal(T, self.dtype, tokens.device)
+        return self._compiled(tokens.clone(), start, positions, tree_bias, keep, last_only)
 
     def _forward(self, tokens, start: int, positions, tree_bias, keep: tuple[bool, ...], last_only: bool):
         T = tokens.shape[1]
