@@ -62,6 +62,8 @@ def parse_args():
     p.add_argument("--gamma", type=int, default=None,
                    help="one chain of this γ per head instead of serve/auto.py's picks (no tree, no adaptive row): "
                         "the setting scripts/bench_engines.py gives the engines")
+    p.add_argument("--compile", action="store_true", help="the runner's target under torch.compile (serve's "
+                   "compile=true; HF's rows stay eager): its pass shapes compile in the untimed warm-ups")
     p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens, greedy only: a smoke test")
     p.add_argument("--out", default="bench_out")
     args = p.parse_args()
@@ -205,6 +207,8 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(args.target, dtype="bfloat16" if device == "cuda" else "float32", device=device)
     model = Transformer.from_hf(target.model)  # shares the HF model's weights
+    if args.compile:
+        model.compile()
     heads = load_heads(args, head_dirs, target, model)
     prompts = load_prompts(args.prompts, target.tokenizer, per_category=args.per_task, limit=args.limit)
     stops = stop_ids(target.tokenizer, target.model.config)
@@ -224,9 +228,9 @@ def main():
                 name = f"{h['label']}: {auto.describe(s)}"
                 methods[name] = {"run": our_runner(model, h["head"], s, stops, args.max_new_tokens, alphas,
                                                    h["costs"]), "setting": s, "head": h, "alphas": alphas}
-        for m in methods.values():
+        for m in methods.values():  # warm-up, untimed (compiled: the decode passes compile here)
             m.update(tokens=0, seconds=0.0, stats=Stats())
-            m["run"](torch.tensor(prompts[0]["prompt_ids"][:32], device=device), T, 0)  # warm-up
+            m["run"](torch.tensor(prompts[0]["prompt_ids"][:32], device=device), T, 0)
         for i, p in enumerate(prompts):
             prompt = torch.tensor(p["prompt_ids"], device=device)
             for name, m in methods.items():
@@ -241,7 +245,7 @@ def main():
             print(f"T={T} prompt {i + 1}/{len(prompts)} done", flush=True)
         results[T] = summarise(methods)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-              "command": " ".join(sys.argv), "target": args.target, "prompts": len(prompts),
+              "command": " ".join(sys.argv), "target": args.target, "compiled": args.compile, "prompts": len(prompts),
               "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
               "costs": {h["label"]: h["costs"] for h in heads},
               "results": {str(T): rows for T, rows in results.items()}}
@@ -282,7 +286,8 @@ def markdown(report) -> str:
     lines = [f"# Decoding speed on {report['target']}", "",
              f"{report['date']} · {m['cpu'] or m['platform']} · {m['threads']} threads · torch {m['torch']}"
              f"{' · ' + m['gpu'] if m['gpu'] else ''} · {report['prompts']} Spec-Bench prompts "
-             f"({report['per_task']} per task) · {report['max_new_tokens']} new tokens", "",
+             f"({report['per_task']} per task) · {report['max_new_tokens']} new tokens"
+             f"{' · runner compiled (HF eager)' if report.get('compiled') else ''}", "",
              f"`{report['command']}`", ""]
     fmt = lambda v, spec: "" if v is None else format(v, spec)
     for T, rows in report["results"].items():

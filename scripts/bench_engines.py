@@ -58,6 +58,7 @@ def parse_args():
     p.add_argument("--engines", nargs="+", default=["llamacpp", "vllm", "serve"], choices=["llamacpp", "vllm", "serve"])
     p.add_argument("--vllm-timeout", type=int, default=3600, help="seconds for all vLLM runs together")
     p.add_argument("--gguf-type", default="f32", help="target and draft GGUF type (convert_hf_to_gguf --outtype)")
+    p.add_argument("--compile", action="store_true", help="serve/'s target under torch.compile (bench.py --compile)")
     p.add_argument("--out", default="bench_engines_out")
     args = p.parse_args()
     args.heads = {f: head_dir(getattr(args, f)) for f in FAMILIES if getattr(args, f)}
@@ -280,12 +281,14 @@ def serve_rows(args, out: Path) -> list[dict]:
            "--out", str(out / "serve")]
     if args.limit:
         cmd += ["--limit", str(args.limit)]
+    if args.compile:
+        cmd += ["--compile"]
     run(cmd, timeout=7200, env={**os.environ, "PYTHONPATH": str(ROOT)})
     report = json.loads((out / "serve" / "bench.json").read_text())
     rows = []
     for T, results in report["results"].items():
         for r in results:
-            rows.append({**row("serve/", r["method"], float(T), r["tokens"], r["seconds"]),
+            rows.append({**row("serve/ (compiled)" if report.get("compiled") else "serve/", r["method"], float(T), r["tokens"], r["seconds"]),
                          "x_baseline": r["x_hf_generate"], "tau_measured": r.get("tau_measured"),
                          "tau_predicted": r.get("tau_predicted_from_alpha"), "predicted_x": r.get("speedup_predicted")})
     return rows
