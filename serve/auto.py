@@ -94,6 +94,7 @@ def _seconds(fn, reps: int) -> float:
 
 
 @torch.no_grad()
+@torch.inference_mode()  # as generate() decodes: a compiled target then times the graphs the decode loop runs
 def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> dict:
     """r(n) for n in sizes (target pass over n tokens after ``context`` cached ones, ÷ one token) and c (one
     draft step ÷ one target token), measured on this machine with random tokens."""
