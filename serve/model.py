@@ -81,19 +81,26 @@ class Linear(nn.Linear):
 
 def fast_linears(module: nn.Module) -> nn.Module:
     """Make every nn.Linear under ``module`` this file's Linear, in place: same tensors, plus on CPU the [in, out]
-    copy its one-token products read. For a draft head, whose drafting is a chain of one-token steps: its
-    projections (and a Medusa or EAGLE-3 head's own lm_head) then run as the target's do. Modules the head only
-    references (the target's embedding and lm_head) are not its children and are left alone."""
-    for name, child in module.named_children():
-        if type(child) is nn.Linear:
-            fast = Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-            fast.weight, fast.bias = child.weight, child.bias
-            if child.weight.device.type == "cpu":
-                fast.weight_t = child.weight.detach().t().contiguous()
-            setattr(module, name, fast)
-        else:
-            fast_linears(child)
+    copy its one-token products read (add_row_copies). For a draft head, whose drafting is a chain of one-token
+    steps: its projections (and a Medusa or EAGLE-3 head's own lm_head) then run as the target's do. Modules the
+    head only references (the target's embedding and lm_head) are not its children and are left alone."""
+    for parent in list(module.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                fast = Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                fast.weight, fast.bias = child.weight, child.bias
+                setattr(parent, name, fast)
+    add_row_copies([m for m in module.modules() if isinstance(m, Linear)])
     return module
+
+
+def add_row_copies(linears: list[Linear]) -> None:
+    """On CPU, give each Linear the [in, out] copy its one-token products read, if all the copies together stay
+    within WEIGHT_T_MAX_BYTES (they double the weights' memory)."""
+    if linears and linears[0].weight.device.type == "cpu" and \
+            sum(m.weight.nbytes for m in linears) <= WEIGHT_T_MAX_BYTES:
+        for m in linears:
+            m.weight_t = m.weight.detach().t().contiguous()
 
 
 def project(x, weight, weight_t, bias):
@@ -257,10 +264,7 @@ class Transformer(nn.Module):
             state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(fuse_projections(state), strict=True, assign=True)
         model = model.to(hf_model.device).eval().requires_grad_(False)
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        if model.device.type == "cpu" and sum(m.weight.nbytes for m in linears) <= WEIGHT_T_MAX_BYTES:
-            for module in linears:
-                module.weight_t = module.weight.t().contiguous()
+        add_row_copies([m for m in model.modules() if isinstance(m, Linear)])
         return model
 
     def compile(self, **kwargs) -> "Transformer":
