@@ -288,7 +288,8 @@ def serve_rows(args, out: Path) -> list[dict]:
     rows = []
     for T, results in report["results"].items():
         for r in results:
-            rows.append({**row("serve/ (compiled)" if report.get("compiled") else "serve/", r["method"], float(T), r["tokens"], r["seconds"]),
+            engine = "serve/ (compiled)" if report.get("compiled") else "serve/"
+            rows.append({**row(engine, r["method"], float(T), r["tokens"], r["seconds"]),
                          "x_baseline": r["x_hf_generate"], "tau_measured": r.get("tau_measured"),
                          "tau_predicted": r.get("tau_predicted_from_alpha"), "predicted_x": r.get("speedup_predicted")})
     return rows

@@ -93,7 +93,6 @@ def _seconds(fn, reps: int) -> float:
     return min(times)
 
 
-@torch.no_grad()
 @torch.inference_mode()  # as generate() decodes: a compiled target then times the graphs the decode loop runs
 def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> dict:
     """r(n) for n in sizes (target pass over n tokens after ``context`` cached ones, ÷ one token) and c (one
