@@ -322,6 +322,10 @@ class Transformer(nn.Module):
         shape = (1, c.num_key_value_heads, max_slots, self.head_dim)
         self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
+        # The slot count is a size the compiled graphs take as a symbol from the start: a longer prompt grows the
+        # cache, and with the size baked in every graph kind recompiled on the first growth, inside a request.
+        for cache in self.k_cache + self.v_cache:
+            torch._dynamo.maybe_mark_dynamic(cache, 2)
 
     def rotary(self, positions: torch.Tensor):
         angles = positions.float()[:, None] * self.inv_freq  # [T, hd/2]

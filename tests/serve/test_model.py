@@ -180,3 +180,30 @@ def test_compiled_forward_equals_eager(chaotic_target, threads):
             torch.testing.assert_close(mine[:, :, :28], theirs[:, :, :28], atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(1)
+
+
+@pytest.mark.slow
+def test_compiled_steps_survive_a_longer_prompt(chaotic_target):
+    """A longer prompt grows the KV cache (setup_cache). The compiled graphs take its slot count as a symbol, so the
+    decode passes after the growth reuse them: with the size baked in, every pass kind recompiled on the first
+    growth, inside a timed request (scripts/bench.py --compile at T = 0). Dynamo is told to raise on a recompile."""
+    torch.set_num_threads(1)
+    model = Transformer.from_hf(chaotic_target.model).compile()
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    model.setup_cache(24)
+    model(ids[:, :16], 0, last_only=True)
+    for i in range(16, 19):  # the second position makes ``start`` dynamic
+        model(ids[:, i : i + 1], i)
+    model(ids[:, 19:22], 19)
+    model(ids[:, 19:23], 19)  # the second size makes the token count dynamic
+    model.setup_cache(80)
+    assert model.max_slots == 80
+    model(ids[:, :60], 0, last_only=True)  # prompts run eager
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got, _ = model(ids[:, 60:61], 60)
+        few, _ = model(ids[:, 61:65], 61)
+    eager = Transformer.from_hf(chaotic_target.model)
+    eager.setup_cache(80)
+    eager(ids[:, :61], 0)
+    torch.testing.assert_close(got[0], eager(ids[:, 60:61], 60)[0][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(few, eager(ids[:, 61:65], 61)[0], atol=1e-4, rtol=1e-4)
