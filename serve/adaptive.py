@@ -21,6 +21,15 @@ plain rounds give the time of one plain round, drafted rounds their excess over 
 kept per kind (chain, tree) and added to that kind's cost. The costs belong to the machine, so they persist across
 requests. On a GPU a round's time is its host time up to the verdict's sync, plus whatever the previous round
 left queued.
+Two things keep that unit honest. ``pass_s`` times the bare pass, not a plain round with its sampling and Python
+(on the compiled SmolLM2 runner a plain round measured 5-20% more), and a drafted round measured in the wrong unit looks cheaper
+or dearer than it is; so the first ``calibrate`` rounds are plain and timed, and one more every ``refresh_every``
+drafted rounds follows the machine's load. And a round ``outlier`` times slower than its setting's expected time
+(a compile of a new pass shape, a page fault, another job) is not a cost of that setting: it is dropped, unless
+the same setting does it again ``outlier_runs`` times in a row. Before both, one compile inside a timed plain round
+set the unit to 1.5 s (31x the pass; a replay of bench.py's compiled warm-up), and a compile inside a drafted round
+set that kind's excess to 68 passes: whichever came first, the choice froze (drafting at 0.86x plain, or plain for
+good), since nothing re-timed the other side.
 
 Exactness does not depend on any of this: each round's verification is exact for whatever γ it was given, and γ
 is chosen only from rounds already finished.
@@ -45,6 +54,10 @@ class Adaptive:
     probe_every: int = 16  # plain rounds between probes while speculation is off
     settings: list[dict] | None = None  # candidates, settings[0] = {"gamma": 0}; None: chains γ = 0..len(prior)
     pass_s: float | None = None  # one target pass (measure_costs' target_pass_1_s); None: no online cost correction
+    calibrate: int = 2  # with pass_s: plain rounds timed before the first drafted one (once per Adaptive)
+    refresh_every: int = 64  # drafted rounds in a row before one plain round re-times the unit
+    outlier: float = 3.0  # a round this many times its expected time is dropped (a compile, a stall) ...
+    outlier_runs: int = 3  # ... unless its setting does it this many times in a row: then it is the real cost
     sums: list[float] = field(default_factory=list)
     counts: list[float] = field(default_factory=list)
     plain_rounds: int = 0
@@ -60,6 +73,10 @@ class Adaptive:
             raise ValueError("adaptive settings must start with plain decoding, {'gamma': 0}")
         self.costs = [predict(s, [1.0] * self.positions, self.r, self.c)["cost"] for s in self.settings]  # α-free
         self.round_s = self.pass_s
+        self.plain_weight = 0.0  # observed plain rounds behind round_s (decayed); 0: still the pass_s prior
+        self.plain_timed = 0  # plain rounds timed so far, for calibrate
+        self.drafted_run = 0  # drafted rounds since the last timed plain round, for refresh_every
+        self.dropped: dict[int, int] = {}  # per setting: outliers dropped in a row
         self.reset()
 
     @property
@@ -104,10 +121,13 @@ class Adaptive:
 
     def choose(self) -> int:
         """The index in ``settings`` of this round's setting (for the default chains, γ itself)."""
+        if self.round_s is not None and (self.plain_timed < self.calibrate or self.drafted_run >= self.refresh_every):
+            return 0  # time a plain round: the unit every drafted round is measured in
         pred = self.speedups()
         best = max(range(len(pred)), key=pred.__getitem__)  # ties keep 0: speculation must predict a gain
         if best > 0:
             self.plain_rounds = 0
+            self.drafted_run += 1
             return best
         self.plain_rounds += 1
         if self.plain_rounds >= self.probe_every:
@@ -143,11 +163,21 @@ class Adaptive:
         """The wall time of a finished round that used ``settings[index]``."""
         if self.round_s is None:
             return
-        if index == 0:
-            self.round_s = self.decay * self.round_s + (1 - self.decay) * seconds
+        k = kind(self.settings[index])
+        expected = self.round_s * (1.0 if index == 0 else self.costs[index] + self.overhead.get(k, 0.0))
+        if seconds > self.outlier * expected and self.dropped.get(index, 0) < self.outlier_runs:
+            self.dropped[index] = self.dropped.get(index, 0) + 1
+            return
+        self.dropped[index] = 0
+        if index == 0:  # a running mean of the last ~1/(1 - decay) plain rounds; the first replaces pass_s
+            self.plain_weight = self.decay * self.plain_weight
+            self.round_s = (self.plain_weight * self.round_s + seconds) / (self.plain_weight + 1.0)
+            self.plain_weight += 1.0
+            self.plain_timed += 1
+            self.drafted_run = 0
+            self._scores = None
             return
         excess = seconds / self.round_s - self.costs[index]
-        k = kind(self.settings[index])
         self._scores = None
         self.overhead[k] = excess if k not in self.overhead else self.decay * self.overhead[k] + (1 - self.decay) * excess
 

@@ -40,6 +40,28 @@ def test_switches_off_probes_and_returns():
     assert ad.estimate() == pytest.approx([0.9, 0.9, 0.9])
 
 
+def test_a_compile_inside_a_timed_round_does_not_keep_speculation_on():
+    """The prior predicts γ = 1 pays 1.04x (τ 1.35 over r(2) + c = 1.3), but a drafted round really costs 1.45 plain
+    rounds (0.93x). The first timed plain round is a 2 s compile: counted, it would make every drafted round look
+    nearly free in its units, and speculation would never go off nor time a plain round again."""
+    ad = Adaptive([0.35], {1: 1.0, 2: 1.2}, 0.1, prior_weight=2.0, pass_s=0.01)
+    seconds = {0: 0.01, 1: 0.0145}
+    ad.observe_time(0, 2.0)  # the warm-up compiles the plain pass
+    picks = []
+    for _ in range(40):
+        i = ad.choose()
+        picks.append(i)
+        if i:
+            ad.observe(1, [0.35])
+        ad.observe_time(i, seconds[i])
+    assert picks[:2] == [0, 0] and 1 in picks[2:5], picks  # calibrated, then the prior's γ = 1 is tried
+    assert ad.round_s == pytest.approx(0.01) and ad.speedups()[1] < 1.0
+    assert picks[-16:].count(1) <= 1, picks  # then off, probing at most once per probe_every rounds
+    for _ in range(20):  # a machine that stays 4x slower is not an outlier for long
+        ad.observe_time(0, 0.04)
+    assert ad.round_s > 0.03
+
+
 def test_refuses_trees_and_missing_heads(chaotic_target):
     from serve.tree import DynamicTree
 

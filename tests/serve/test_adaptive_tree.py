@@ -58,6 +58,9 @@ def test_round_times_correct_the_cost_model():
     """Drafted rounds that take 5 plain rounds where the model says 1.9: speculation goes off, for chains; trees,
     not yet timed, are still scored by the model alone, so the next probe tries one."""
     ad = Adaptive([0.9, 0.9, 0.9], R, 0.1, pass_s=0.01, settings=DYNAMIC)
+    assert ad.choose() == 0  # the unit first: plain rounds are timed before anything drafts
+    ad.observe_time(0, 0.01)
+    ad.observe_time(0, 0.01)
     assert ad.settings[ad.choose()].get("tree")  # the model alone: cheap width, good α
     for _ in range(20):
         ad.observe_time(0, 0.01)
