@@ -172,22 +172,26 @@ def prefill(dec: Decoder, prompt: torch.Tensor, max_new_tokens: int) -> int:
 
 
 def draft(dec: Decoder):
-    """Chain: (tokens [γ], draft_probs [γ, V]). Tree: a TreeDraft. Vanilla: empty chain."""
+    """Chain: (tokens [γ], draft_probs [γ, V], or None when greedy). Tree: a TreeDraft. Vanilla: empty chain."""
     if dec.tree is not None:
         return dec.tree.draft(dec.head, dec.head_cache, dec.head_logits, dec.head_state, dec.sampling, dec.generator)
     V = dec.model.config.vocab_size
     device = dec.model.device
+    greedy = dec.sampling.temperature <= 0
     if dec.gamma == 0:
-        return torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, V, device=device)
+        return torch.zeros(0, dtype=torch.long, device=device), None if greedy else torch.zeros(0, V, device=device)
     logits, state = dec.head_logits, dec.head_state
     tokens, probs = [], []
     for i in range(1, dec.gamma + 1):
-        q = dec.sampling.probs(logits)  # [1, V]
-        tokens.append(dec.sampling.draw(q, dec.generator))
-        probs.append(q)
+        if greedy:  # the argmax itself: its one-hot q would only be compared with the target's argmax
+            tokens.append(logits.argmax(-1))
+        else:
+            q = dec.sampling.probs(logits)  # [1, V]
+            tokens.append(dec.sampling.draw(q, dec.generator))
+            probs.append(q)
         if i < dec.gamma:
             logits, state = dec.head.step(dec.head_cache, state, tokens[-1], i + 1)
-    return torch.cat(tokens), torch.cat(probs)
+    return torch.cat(tokens), None if greedy else torch.cat(probs)
 
 
 def verify(dec: Decoder, drafted):
@@ -212,6 +216,8 @@ def verify(dec: Decoder, drafted):
     draft_tokens, draft_probs = drafted
     tokens = torch.cat([dec.next_token, draft_tokens])  # [γ+1]
     logits, hidden = dec.model(tokens[None], dec.length, hidden_layers=dec.layers)
+    if draft_probs is None:  # greedy: what the rule reduces to, without one-hot rows or a race over the vocabulary
+        return verify_greedy(dec, draft_tokens, logits), hidden
     target_probs = dec.sampling.probs(logits)  # [γ+1, V]
     n, final = verify_chain_batched(draft_tokens[None], draft_probs[None], target_probs[None], dec.generator)
     if dec.gamma:  # Σ min(p, q) per position, kept on the device until the round's one sync
@@ -223,6 +229,19 @@ def verify(dec: Decoder, drafted):
         flat = torch.cat([n, final, draft_tokens]).tolist()
     n, final = int(flat[0]), int(flat[1])
     return (None, [int(t) for t in flat[2 : 2 + n]] + [final]), hidden
+
+
+def verify_greedy(dec: Decoder, draft_tokens: torch.Tensor, logits: torch.Tensor):
+    """T = 0 chain verdict: keep drafts while they equal the target's argmax (first maximal id, as
+    probs_from_logits' one-hot has it), then emit the argmax after the last kept one. ~2.5 ms less per round
+    than the general rule on SmolLM2's 49k vocabulary (README)."""
+    best = logits.argmax(-1)  # [γ+1]
+    hits = draft_tokens == best[:-1]
+    n = hits.long().cumprod(0).sum()
+    flat = torch.cat([n[None], best, hits.long()]).tolist()  # the round's host sync
+    n, G = flat[0], dec.gamma
+    dec.round_alpha = [float(h) for h in flat[2 + G :]]  # Σ min(p, q) of two one-hots: 1 on a match
+    return None, [int(t) for t in flat[1 : 1 + n + 1]]
 
 
 def accept(dec: Decoder, verdict, hidden) -> list[int]:
