@@ -5,8 +5,10 @@ hard), so ``Adaptive`` keeps a running acceptance estimate per draft position fo
 training α as a prior worth ``prior_weight`` rounds, forgetting old rounds (the prior too) at ``decay`` per round
 so a prior far from this text's acceptance fades instead of holding a floor under the estimate, and picks the
 γ (0 included) with the best predicted speedup E[γ] / (r(γ + 1) + γ·c) (serve/auto.py's cost model, the same
-measured r(n) and c). When plain decoding (γ = 0) wins, speculation is off; every ``probe_every`` plain rounds one
-round drafts anyway, so a head that starts paying again (the text became easier) is noticed.
+measured r(n) and c). When plain decoding (γ = 0) wins, speculation is off; after ``probe_every`` plain rounds one
+round drafts anyway, so a head that starts paying again (the text became easier) is noticed. Each probe that does
+not turn speculation back on doubles the wait for the next (up to ``probe_max``): a weak head's failed probes cost
+~4% of plain speed at a fixed 16-round gap (compiled SmolLM2, one noisy measurement), on every request's length.
 
 With ``settings`` the candidates are any of serve/auto.py's (chains, Medusa static-tree cuts, EAGLE-2 dynamic
 trees of several depths and sizes; ``settings[0]`` is plain decoding) and each is scored by auto.predict from the
@@ -51,7 +53,8 @@ class Adaptive:
     c: float  # one draft step ÷ one target token
     prior_weight: float = 4.0  # rounds the training α is worth: a few bad rounds can overrule it
     decay: float = 0.9  # per observed round: the estimate follows the last ~10 rounds of this text
-    probe_every: int = 16  # plain rounds between probes while speculation is off
+    probe_every: int = 16  # plain rounds before the first probe while speculation is off (per request)
+    probe_max: int = 128  # the longest wait between probes, after failed ones
     settings: list[dict] | None = None  # candidates, settings[0] = {"gamma": 0}; None: chains γ = 0..len(prior)
     pass_s: float | None = None  # one target pass (measure_costs' target_pass_1_s); None: no online cost correction
     calibrate: int = 2  # with pass_s: plain rounds timed before the first drafted one (once per Adaptive)
@@ -90,6 +93,7 @@ class Adaptive:
         self.counts = [0.0] * self.positions
         self.weights = [self.prior_weight] * self.positions
         self.plain_rounds = 0
+        self.probe_gap = self.probe_every
         self._scores = None
 
     def estimate(self) -> list[float]:
@@ -127,11 +131,13 @@ class Adaptive:
         best = max(range(len(pred)), key=pred.__getitem__)  # ties keep 0: speculation must predict a gain
         if best > 0:
             self.plain_rounds = 0
+            self.probe_gap = self.probe_every
             self.drafted_run += 1
             return best
         self.plain_rounds += 1
-        if self.plain_rounds >= self.probe_every:
+        if self.plain_rounds >= self.probe_gap:
             self.plain_rounds = 0
+            self.probe_gap = min(2 * self.probe_gap, self.probe_max)  # reset above if the probe pays
             return max(range(1, len(pred)), key=pred.__getitem__)
         return 0
 

@@ -22,7 +22,8 @@ R = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6}  # r(n): a target pass over n tokens ÷ one
 def flip_prone(**kw) -> Adaptive:
     """Speculation pays iff the running α at position 1 exceeds ~0.4, and the estimate follows the last rounds:
     at the chaotic target's α ≈ 0.4 (T = 1) it switches often."""
-    return Adaptive([0.45, 0.45, 0.45], R, 0.2, **{"prior_weight": 0.5, "decay": 0.5, "probe_every": 2, **kw})
+    return Adaptive([0.45, 0.45, 0.45], R, 0.2,
+                    **{"prior_weight": 0.5, "decay": 0.5, "probe_every": 2, "probe_max": 2, **kw})
 
 
 def test_switches_off_probes_and_returns():
@@ -31,11 +32,11 @@ def test_switches_off_probes_and_returns():
     for _ in range(6):  # a stretch of text where nothing is accepted
         ad.observe(1, [0.0])
     assert ad.speedups()[1] < 1.0
-    picks = [ad.choose() for _ in range(8)]
-    assert picks == [0, 0, 0, 1, 0, 0, 0, 1]  # off, with a one-round probe every 4th round
+    picks = [ad.choose() for _ in range(20)]
+    assert picks == [0, 0, 0, 1] + [0] * 7 + [1] + [0] * 8  # off; a failed probe doubles the wait for the next
     for _ in range(20):  # the text turns easy: everything accepted
         ad.observe(3, [1.0, 1.0, 1.0])
-    assert ad.choose() == 3
+    assert ad.choose() == 3 and ad.probe_gap == 4  # drafting again: the next time off, probes start at 4 again
     ad.reset()  # a new request starts from the prior again
     assert ad.estimate() == pytest.approx([0.9, 0.9, 0.9])
 

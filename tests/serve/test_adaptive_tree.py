@@ -32,7 +32,8 @@ def settings_for(family):
 
 
 def flip_prone(family) -> Adaptive:
-    return Adaptive([0.45] * 3, R, 0.3, prior_weight=0.5, decay=0.5, probe_every=2, settings=settings_for(family))
+    return Adaptive([0.45] * 3, R, 0.3, prior_weight=0.5, decay=0.5, probe_every=2, probe_max=2,
+                    settings=settings_for(family))
 
 
 def kinds(dec) -> Counter:
