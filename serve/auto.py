@@ -93,6 +93,22 @@ def _seconds(fn, reps: int) -> float:
     return min(times)
 
 
+def _seconds_interleaved(fns: dict, reps: int) -> dict:
+    """Fastest of reps runs of each fn, the fns taking turns. Timed one size after another, a slow spell on a
+    shared machine landed on some sizes only: r(2) read 0.95 to 1.50 over five runs on one idle CPU (README)."""
+    for fn in fns.values():  # warm-up (compiled: a graph per new shape)
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in times.items()}
+
+
 @torch.inference_mode()  # as generate() decodes: a compiled target then times the graphs the decode loop runs
 def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> dict:
     """r(n) for n in sizes (target pass over n tokens after ``context`` cached ones, ÷ one token) and c (one
@@ -103,10 +119,11 @@ def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> dict
     ids = torch.randint(0, V, (1, context + max(sizes)), device=device)
     model(ids[:, :context], 0, last_only=True)
     layers = tuple(head.feature_layers) if head is not None else ()
-    one = _seconds(lambda: model(ids[:, context : context + 1], context, hidden_layers=layers), 2 * reps)
-    r = {int(n): _seconds(lambda: model(ids[:, context : context + n], context, hidden_layers=layers), reps) / one
-         for n in sorted(set(sizes) - {1})}
-    r[1] = 1.0  # the unit
+    passes = {int(n): (lambda n=n: model(ids[:, context : context + n], context, hidden_layers=layers))
+              for n in sorted(set(sizes) | {1})}
+    seconds = _seconds_interleaved(passes, reps)
+    one = seconds[1]
+    r = {n: t / one for n, t in seconds.items()}  # r[1] = 1: the unit
     out = {"target_pass_1_s": one, "r": r, "context": context}
     if head is not None:
         _, hidden = model(ids[:, :context], 0, hidden_layers=layers)
