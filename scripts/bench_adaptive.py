@@ -48,6 +48,8 @@ def parse_args():
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--reps", type=int, default=2, help="runs per prompt and method; the fastest counts")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="compile the target's passes (serve compile=true); each "
+                   "pass kind compiles in the untimed warm-up or, for shapes only adaptive reaches, once when first met")
     p.add_argument("--out", default="adaptive_out")
     return p.parse_args()
 
@@ -151,7 +153,8 @@ def markdown(report) -> str:
     lines = [f"# Adaptive drafting on {report['target']}", "",
              f"{report['date']} · {m['cpu'] or m['platform']} · {m['threads']} threads · torch {m['torch']}"
              f"{' · ' + m['gpu'] if m['gpu'] else ''} · {report['prompts']} prompts · "
-             f"{report['max_new_tokens']} new tokens · best of {report['reps']} per prompt", "",
+             f"{report['max_new_tokens']} new tokens · best of {report['reps']} per prompt"
+             f"{' · compiled' if report.get('compiled') else ''}", "",
              f"`{report['command']}`", ""]
     for r in report["results"]:
         lines += [f"## {r['head']} ({r['family']}), T = {r['temperature']}", "",
@@ -179,6 +182,8 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(args.target, dtype="bfloat16" if device == "cuda" else "float32", device=device)
     model = Transformer.from_hf(target.model)
+    if args.compile:
+        model.compile()
     prompts = load_prompts(args.prompts, target.tokenizer, args.chat_template, args.per_task, args.limit)
     prompts = [torch.tensor(p["prompt_ids"], device=device) for p in prompts]
     stops = stop_ids(target.tokenizer, target.model.config)
@@ -192,7 +197,7 @@ def main():
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "machine": {"platform": platform.platform(), "cpu": cpu, "threads": torch.get_num_threads(),
                           "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
-              "target": args.target, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "target": args.target, "compiled": args.compile, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "reps": args.reps, "results": results}
     tmp = out / "adaptive.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
