@@ -153,3 +153,27 @@ def test_spec_bench_subset(tiny_target):
     cats = [p["category"] for p in prompts]
     assert sorted(set(cats)) == ["math_reasoning", "mt_bench", "qa", "rag", "summarization", "translation"]
     assert all(cats.count(c) == 2 for c in set(cats))
+
+
+@pytest.mark.slow
+def test_bench_adaptive_compares_every_method_with_plain_and_the_best_fixed(files, tmp_path):
+    """scripts/bench_adaptive.py end to end on a tiny target: plain, each fixed chain, auto's tree and both adaptive
+    modes on the same prompts; "best fixed" is the fastest fixed setting and every ratio is against plain's rate."""
+    cmd = [sys.executable, "scripts/bench_adaptive.py", "--target", "tiny-random", "--heads", str(files / "eagle"),
+           "--prompts", str(files / "prompts.jsonl"), "--limit", "3", "--max-new-tokens", "12", "--temperatures", "0",
+           "--reps", "1", "--threads", "1", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True)
+    report = json.loads((tmp_path / "adaptive.json").read_text())
+    (result,) = report["results"]
+    rows = {r["method"]: r for r in result["rows"]}
+    assert {"plain", "chain γ=1", "chain γ=2", "chain γ=3", "adaptive γ", "adaptive dynamic tree"} <= set(rows)
+    assert any("dynamic tree" in m and not m.startswith("adaptive") for m in rows)
+    assert {r["tokens"] for r in rows.values()} == {rows["plain"]["tokens"]} and rows["plain"]["tokens"] > 0
+    fixed = [r for m, r in rows.items() if m != "plain" and not m.startswith("adaptive")]
+    best = max(fixed, key=lambda r: r["tokens_per_s"])
+    assert [r["method"] for r in rows.values() if r["best_fixed"]] == [best["method"]]
+    for r in rows.values():
+        assert r["x_plain"] == pytest.approx(r["tokens_per_s"] / rows["plain"]["tokens_per_s"])
+        assert r["x_best_fixed"] == pytest.approx(r["tokens_per_s"] / best["tokens_per_s"])
+    assert all(sum(rows[m]["rounds_by_setting"].values()) > 0 for m in ("adaptive γ", "adaptive dynamic tree"))
+    assert "| adaptive γ |" in (tmp_path / "adaptive.md").read_text()
