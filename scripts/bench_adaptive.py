@@ -48,8 +48,8 @@ def parse_args():
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--reps", type=int, default=2, help="runs per prompt and method; the fastest counts")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--compile", action="store_true", help="compile the target's passes (serve compile=true); each "
-                   "pass kind compiles in the untimed warm-up or, for shapes only adaptive reaches, once when first met")
+    p.add_argument("--compile", action="store_true", help="compile the target's passes (serve compile=true); "
+                   "each pass kind compiles in the untimed warm-up or, for shapes only adaptive reaches, when first met")
     p.add_argument("--out", default="adaptive_out")
     return p.parse_args()
 
@@ -197,8 +197,8 @@ def main():
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "machine": {"platform": platform.platform(), "cpu": cpu, "threads": torch.get_num_threads(),
                           "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
-              "target": args.target, "compiled": args.compile, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "reps": args.reps, "results": results}
+              "target": args.target, "compiled": args.compile, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "reps": args.reps, "results": results}
     tmp = out / "adaptive.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(out / "adaptive.json")
