@@ -49,7 +49,7 @@ def parse_args():
     p.add_argument("--reps", type=int, default=2, help="runs per prompt and method; the fastest counts")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="compile the target's passes (serve compile=true); "
-                   "each pass kind compiles in the untimed warm-up or, for shapes only adaptive reaches, when first met")
+                   "each pass kind compiles in the untimed warm-up or, for shapes only adaptive meets, when first met")
     p.add_argument("--out", default="adaptive_out")
     return p.parse_args()
 

@@ -23,15 +23,15 @@ plain rounds give the time of one plain round, drafted rounds their excess over 
 kept per kind (chain, tree) and added to that kind's cost. The costs belong to the machine, so they persist across
 requests. On a GPU a round's time is its host time up to the verdict's sync, plus whatever the previous round
 left queued.
-Two things keep that unit honest. ``pass_s`` times the bare pass, not a plain round with its sampling and Python
-(on the compiled SmolLM2 runner a plain round measured 5-20% more), and a drafted round measured in the wrong
-unit looks cheaper or dearer than it is; so the first ``calibrate`` rounds are plain and timed, and one more every
-``refresh_every`` drafted rounds follows the machine's load. And a round ``outlier`` times slower than its setting's expected time
-(a compile of a new pass shape, a page fault, another job) is not a cost of that setting: it is dropped, unless
-the same setting does it again ``outlier_runs`` times in a row. Before both, one compile inside a timed plain round
-set the unit to 1.5 s (31x the pass; a replay of bench.py's compiled warm-up), and a compile inside a drafted round
-set that kind's excess to 68 passes: whichever came first, the choice froze (drafting at 0.86x plain, or plain for
-good), since nothing re-timed the other side.
+Two things keep that unit honest. ``pass_s`` times the bare pass, not a plain round with its sampling and Python (on
+the compiled SmolLM2 runner a plain round measured 5-20% more), and a drafted round measured in the wrong unit looks
+cheaper or dearer than it is; so the first ``calibrate`` rounds are plain and timed, and one more every
+``refresh_every`` drafted rounds follows the machine's load. And a round ``outlier`` times slower than its setting's
+expected time (a compile of a new pass shape, a page fault, another job) is not a cost of that setting: it is
+dropped, unless the same setting does it again ``outlier_runs`` times in a row. Before both, one compile inside a
+timed plain round set the unit to 1.5 s (31x the pass; a replay of bench.py's compiled warm-up), and a compile
+inside a drafted round set that kind's excess to 68 passes: whichever came first, the choice froze (drafting at
+0.86x plain, or plain for good), since nothing re-timed the other side.
 
 Exactness does not depend on any of this: each round's verification is exact for whatever γ it was given, and γ
 is chosen only from rounds already finished.
