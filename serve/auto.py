@@ -82,15 +82,7 @@ def read_acceptance(path: Path, temperature: float) -> dict:
 
 def _seconds(fn, reps: int) -> float:
     """Fastest of reps runs: the least disturbed by other work on the machine."""
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return _seconds_interleaved({0: fn}, reps)[0]
 
 
 def _seconds_interleaved(fns: dict, reps: int) -> dict:
