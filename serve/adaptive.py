@@ -180,8 +180,7 @@ class Adaptive:
             self.round_s = (self.plain_weight * self.round_s + seconds) / (self.plain_weight + 1.0)
             self.plain_weight += 1.0
             self.plain_timed += 1
-            self.drafted_run = 0
-            self._scores = None
+            self.drafted_run = 0  # the scores stand: costs and excesses are in plain rounds, whatever one takes
             return
         excess = seconds / self.round_s - self.costs[index]
         self._scores = None

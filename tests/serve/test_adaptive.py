@@ -63,6 +63,27 @@ def test_a_compile_inside_a_timed_round_does_not_keep_speculation_on():
     assert ad.round_s > 0.03
 
 
+def test_plain_rounds_do_not_rescore(monkeypatch):
+    """While speculation is off a round is plain and its time changes no score (costs and excesses are counted in
+    plain rounds), so only a drafted round's outcome re-runs the model: with trees that is ~20 predictions."""
+    from serve import adaptive as adaptive_module
+
+    calls = []
+    real = adaptive_module.predict
+    monkeypatch.setattr(adaptive_module, "predict", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ad = Adaptive([0.05, 0.02], {1: 1.0, 2: 1.2, 3: 1.4}, 0.2, pass_s=0.01, probe_every=100)
+    built = len(calls)  # __post_init__'s cost of each setting
+    picks = []
+    for _ in range(30):
+        picks.append(ad.choose())
+        ad.observe_time(picks[-1], 0.01 + 0.001 * len(picks))  # the machine slows down: round_s follows
+    assert picks == [0] * 30 and ad.round_s > 0.015
+    assert len(calls) - built == 2  # one scoring of the two chains, kept over 28 plain rounds
+    ad.observe(1, [1.0])  # a drafted round's outcome does re-score
+    ad.choose()
+    assert len(calls) - built == 4
+
+
 def test_refuses_trees_and_missing_heads(chaotic_target):
     from serve.tree import DynamicTree
 
