@@ -47,6 +47,8 @@ def parse_args():
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--reps", type=int, default=2, help="runs per prompt and method; the fastest counts")
+    p.add_argument("--ignore-eos", action="store_true", help="decode --max-new-tokens past end-of-turn: at T > 0 "
+                   "each method samples its own text, and unequal lengths spread the prefill unequally")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="compile the target's passes (serve compile=true); "
                    "each pass kind compiles in the untimed warm-up or, for shapes only adaptive meets, when first met")
@@ -153,7 +155,8 @@ def markdown(report) -> str:
     lines = [f"# Adaptive drafting on {report['target']}", "",
              f"{report['date']} · {m['cpu'] or m['platform']} · {m['threads']} threads · torch {m['torch']}"
              f"{' · ' + m['gpu'] if m['gpu'] else ''} · {report['prompts']} prompts · "
-             f"{report['max_new_tokens']} new tokens · best of {report['reps']} per prompt"
+             f"{report['max_new_tokens']} new tokens{' (end-of-turn ignored)' if report.get('ignore_eos') else ''}"
+             f" · best of {report['reps']} per prompt"
              f"{' · compiled' if report.get('compiled') else ''}", "",
              f"`{report['command']}`", ""]
     for r in report["results"]:
@@ -186,7 +189,7 @@ def main():
         model.compile()
     prompts = load_prompts(args.prompts, target.tokenizer, args.chat_template, args.per_task, args.limit)
     prompts = [torch.tensor(p["prompt_ids"], device=device) for p in prompts]
-    stops = stop_ids(target.tokenizer, target.model.config)
+    stops = () if args.ignore_eos else stop_ids(target.tokenizer, target.model.config)
     results = []
     for d in args.heads:
         head, head_dir = load_draft_head(d, target, model, model.dtype)
@@ -198,7 +201,8 @@ def main():
               "machine": {"platform": platform.platform(), "cpu": cpu, "threads": torch.get_num_threads(),
                           "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
               "target": args.target, "compiled": args.compile, "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "reps": args.reps, "results": results}
+              "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "reps": args.reps,
+              "results": results}
     tmp = out / "adaptive.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(out / "adaptive.json")

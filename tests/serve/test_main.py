@@ -177,3 +177,16 @@ def test_bench_adaptive_compares_every_method_with_plain_and_the_best_fixed(file
         assert r["x_best_fixed"] == pytest.approx(r["tokens_per_s"] / best["tokens_per_s"])
     assert all(sum(rows[m]["rounds_by_setting"].values()) > 0 for m in ("adaptive γ", "adaptive dynamic tree"))
     assert "| adaptive γ |" in (tmp_path / "adaptive.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_adaptive_ignore_eos_gives_every_sampled_method_the_same_length(files, tmp_path):
+    """At T = 1 each method samples its own text; with --ignore-eos each decodes exactly --max-new-tokens per prompt,
+    so no method's tokens/s carries a shorter request's larger share of prefill."""
+    cmd = [sys.executable, "scripts/bench_adaptive.py", "--target", "tiny-random", "--heads", str(files / "eagle"),
+           "--prompts", str(files / "prompts.jsonl"), "--limit", "3", "--max-new-tokens", "20", "--temperatures", "1",
+           "--reps", "1", "--threads", "1", "--ignore-eos", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True)
+    report = json.loads((tmp_path / "adaptive.json").read_text())
+    assert report["ignore_eos"] and "end-of-turn ignored" in (tmp_path / "adaptive.md").read_text()
+    assert {r["tokens"] for r in report["results"][0]["rows"]} == {3 * 20}
