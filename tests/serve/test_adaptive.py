@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 
 from heads import HEADS
 from heads.sampling import probs_from_logits
+from serve import adaptive as adaptive_module
 from serve import generate as generate_module
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, generate
@@ -66,8 +67,6 @@ def test_a_compile_inside_a_timed_round_does_not_keep_speculation_on():
 def test_plain_rounds_do_not_rescore(monkeypatch):
     """While speculation is off a round is plain and its time changes no score (costs and excesses are counted in
     plain rounds), so only a drafted round's outcome re-runs the model: with trees that is ~20 predictions."""
-    from serve import adaptive as adaptive_module
-
     calls = []
     real = adaptive_module.predict
     monkeypatch.setattr(adaptive_module, "predict", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -155,15 +155,20 @@ def test_spec_bench_subset(tiny_target):
     assert all(cats.count(c) == 2 for c in set(cats))
 
 
+def run_bench_adaptive(files, out, *args) -> dict:
+    """scripts/bench_adaptive.py on the tiny target's EAGLE head, 3 prompts, one rep; its adaptive.json."""
+    cmd = [sys.executable, "scripts/bench_adaptive.py", "--target", "tiny-random", "--heads", str(files / "eagle"),
+           "--prompts", str(files / "prompts.jsonl"), "--limit", "3", "--reps", "1", "--threads", "1",
+           "--out", str(out), *args]
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True)
+    return json.loads((out / "adaptive.json").read_text())
+
+
 @pytest.mark.slow
 def test_bench_adaptive_compares_every_method_with_plain_and_the_best_fixed(files, tmp_path):
     """scripts/bench_adaptive.py end to end on a tiny target: plain, each fixed chain, auto's tree and both adaptive
     modes on the same prompts; "best fixed" is the fastest fixed setting and every ratio is against plain's rate."""
-    cmd = [sys.executable, "scripts/bench_adaptive.py", "--target", "tiny-random", "--heads", str(files / "eagle"),
-           "--prompts", str(files / "prompts.jsonl"), "--limit", "3", "--max-new-tokens", "12", "--temperatures", "0",
-           "--reps", "1", "--threads", "1", "--out", str(tmp_path)]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True)
-    report = json.loads((tmp_path / "adaptive.json").read_text())
+    report = run_bench_adaptive(files, tmp_path, "--max-new-tokens", "12", "--temperatures", "0")
     (result,) = report["results"]
     rows = {r["method"]: r for r in result["rows"]}
     assert {"plain", "chain γ=1", "chain γ=2", "chain γ=3", "adaptive γ", "adaptive dynamic tree"} <= set(rows)
@@ -183,10 +188,6 @@ def test_bench_adaptive_compares_every_method_with_plain_and_the_best_fixed(file
 def test_bench_adaptive_ignore_eos_gives_every_sampled_method_the_same_length(files, tmp_path):
     """At T = 1 each method samples its own text; with --ignore-eos each decodes exactly --max-new-tokens per prompt,
     so no method's tokens/s carries a shorter request's larger share of prefill."""
-    cmd = [sys.executable, "scripts/bench_adaptive.py", "--target", "tiny-random", "--heads", str(files / "eagle"),
-           "--prompts", str(files / "prompts.jsonl"), "--limit", "3", "--max-new-tokens", "20", "--temperatures", "1",
-           "--reps", "1", "--threads", "1", "--ignore-eos", "--out", str(tmp_path)]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True)
-    report = json.loads((tmp_path / "adaptive.json").read_text())
+    report = run_bench_adaptive(files, tmp_path, "--max-new-tokens", "20", "--temperatures", "1", "--ignore-eos")
     assert report["ignore_eos"] and "end-of-turn ignored" in (tmp_path / "adaptive.md").read_text()
     assert {r["tokens"] for r in report["results"][0]["rows"]} == {3 * 20}
