@@ -29,6 +29,44 @@ import traceback
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is more than these runs need
 
 
+def fix_cpu_expand_shim() -> bool:
+    """Replace vLLM-cpu's broken ``expand_kernel`` fallback when it is broken; True if replaced.
+
+    The rejection sampler spreads each request's temperature, top-k and top-p over its draft tokens with
+    ``expand_batch_to_tokens``. Without a Triton CPU backend vLLM runs a C++ shim that casts the output buffer to
+    int64, which makes a copy for float32 and int32 buffers: the kernel fills the copy, and the sampler divides the
+    logits by uninitialised memory (vllm-project/vllm#55005, unfixed in 0.32.0). At T > 0 every speculative run
+    then samples near-uniform noise and accepts no drafts; greedy runs never call it. The replacement writes at the
+    caller's dtype, as the Triton kernel does. It must be in place before the engine core registers its kernel
+    overrides, so it runs at import time, here and in any process that re-imports this file.
+    """
+    import torch
+    try:
+        from vllm.platforms import current_platform
+        from vllm.utils import cpu_triton_utils as shim
+        current_platform.import_kernels()  # the C++ kernels the shim calls (the AVX2 or AVX-512 build)
+    except ImportError:  # not a CPU build: nothing to fix
+        return False
+
+    def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+        output.copy_(values.repeat_interleave(counts))
+
+    probe = torch.empty(2, dtype=torch.float32)
+    try:
+        shim._expand_kernel_impl(probe, torch.tensor([0.5, 0.0]), torch.tensor([1, 2]), 0, 1)
+        broken = probe.tolist() != [0.5, 1.0]
+    except Exception:  # the shim cannot even run (no vllm._C): let vLLM fail its own way
+        return False
+    if broken:
+        shim._expand_kernel_impl = expand
+    return broken
+
+
+CPU_EXPAND_FIXED = fix_cpu_expand_shim()
+
+
 def spec_counters(llm) -> dict:
     out = {"accepted_per_pos": []}
     for m in llm.get_metrics():
@@ -88,6 +126,7 @@ def run(spec: dict, prompts, max_tokens: int, dtype: str, temperatures=(0.0,), r
             "num_accepted_tokens": c.get("num_accepted_tokens", 0), "accepted_per_pos": c["accepted_per_pos"],
             "method": getattr(sc, "method", None), "num_speculative_tokens": getattr(sc, "num_speculative_tokens", 0),
             "load_s": round(load_s, 1), "generate_s": round(gen_s, 3),
+            "patched_cpu_expand_kernel": CPU_EXPAND_FIXED,
         }
         if result["num_drafts"]:
             result["acceptance_per_pos"] = [a / result["num_drafts"] for a in result["accepted_per_pos"]]
