@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from heads.target import load_target, shared_dir
-from serve import auto
+from serve import auto, calibrate
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.main import load_draft_head, load_prompts, stop_ids
@@ -101,9 +101,11 @@ def run_head(model, head, head_dir, prompts, stops, args, T) -> dict:
     acc = auto.find_acceptance(head_dir)
     read = auto.read_acceptance(acc, T)
     costs = auto.measure_costs(model, head, auto.sizes_for(head.max_draft_steps, read["alpha"], TREES.get(head.family)))
-    record = auto.choose(head.family, head.max_draft_steps, read["alpha"], costs, TREES.get(head.family),
-                         read["tau_chain"])
+    record = calibrate.choose(model, head, Sampling(T), read["alpha"], costs, TREES.get(head.family),
+                              read["tau_chain"])  # gamma=auto's choice, as serve/main.py makes it
     settings = methods_for(head, read, costs)
+    if record["choice"] != {"gamma": 0}:  # auto's pick is always a row (plain is one already)
+        settings.setdefault(auto.describe(record["choice"]), record["choice"])
     decoders = {"plain": Decoder(model, None, Sampling(T))}
     decoders.update({name: decoder(model, head, s, read, costs, T) for name, s in settings.items()})
     seconds, tokens = Counter(), Counter()
@@ -147,6 +149,8 @@ def run_head(model, head, head_dir, prompts, stops, args, T) -> dict:
         rows.append(row)
     return {"head": str(head_dir), "family": head.family, "temperature": T, "acceptance_json": str(acc),
             "tau_source": read["source"], "alpha": read["alpha"], "costs": costs, "auto_pick": auto_pick,
+            "auto_predicted": record["predicted"]["speedup_predicted"], "round_excess": record["round_excess"],
+            "auto_passes_only": record["passes_only_choice"],
             "best_fixed": best_fixed, "rows": rows}
 
 
@@ -162,7 +166,10 @@ def markdown(report) -> str:
     for r in report["results"]:
         lines += [f"## {r['head']} ({r['family']}), T = {r['temperature']}", "",
                   f"α per position ({r['tau_source']}): {[round(a, 3) for a in r['alpha']]}; "
-                  f"c = {r['costs']['c']:.3f}; gamma=auto picks {r['auto_pick']}", "",
+                  f"c = {r['costs']['c']:.3f}; gamma=auto picks {r['auto_pick']} (predicted "
+                  f"{r['auto_predicted']:.2f}×; a round's excess over its passes, in passes: "
+                  f"{', '.join(f'{k} {v:.2f}' for k, v in r['round_excess'].items())}; the passes alone would pick "
+                  f"{r['auto_passes_only']['setting']} at {r['auto_passes_only']['speedup_predicted']:.2f}×)", "",
                   "| method | tokens/s | × plain | × best fixed | τ | chosen (rounds) | over time (quarters) |",
                   "|---|---:|---:|---:|---:|---|---|"]
         for row in r["rows"]:

@@ -8,6 +8,10 @@ unit); it yields E tokens on average. Predicted speedup over vanilla decoding = 
 - tree of N drafted nodes and depth D: n = N + 1, calls = D (EAGLE-2: commit + one multi-node step per level;
   Medusa: its D heads), E from serve/tree.py's positional-acceptance model (an approximation: it treats each
   rejected sibling as leaving the next the same chance α_d).
+The passes are not the whole round: the drafting loop, verify's sampling and host sync, the commits and a tree's
+mask cost Python and small kernels, which on a small CPU target rival the pass. serve/calibrate.py times whole
+rounds of plain decoding and of each kind's best setting, and ``excess`` (per kind, in target passes) adds the rest
+to every setting of that kind; the speedup is then over a timed plain round.
 α comes from ``acceptance.json`` (train/ writes it beside DIR/head), at the serving temperature when recorded.
 When the record has the chain figures (``alpha_chain``: P(step k kept | steps < k kept), and ``tau_predicted``:
 τ from walking the chain over the held-out text) a chain's τ is the walk's and trees use alpha_chain per depth;
@@ -149,8 +153,15 @@ def candidates(family: str, max_steps: int | None, alphas: list[float], tree: st
     return out
 
 
-def predict(setting: dict, alphas: list[float], r: dict, c: float, tau_chain: dict | None = None) -> dict:
-    """tau_chain: the recorded chain-walk τ per γ, used for chains where it has that γ."""
+def kind(setting: dict) -> str:
+    """plain, chain or tree: what a round of the setting runs besides the passes (one excess cost per kind)."""
+    return "plain" if setting.get("gamma") == 0 else "chain" if "gamma" in setting else "tree"
+
+
+def predict(setting: dict, alphas: list[float], r: dict, c: float, tau_chain: dict | None = None,
+            excess: dict | None = None) -> dict:
+    """tau_chain: the recorded chain-walk τ per γ, used for chains where it has that γ. excess (round_excess):
+    per kind, what a whole round cost beyond its passes, in target passes; the cost is then in plain rounds."""
     if setting.get("gamma") == 0:
         return {"tau_predicted": 1.0, "r": 1.0, "cost": 1.0, "speedup_predicted": 1.0}
     if "gamma" in setting:
@@ -163,7 +174,26 @@ def predict(setting: dict, alphas: list[float], r: dict, c: float, tau_chain: di
         n, calls = setting["tree_total_tokens"] + 1, setting["tree_depth"]
         tau = expected_tau_dynamic(alphas, setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"])
     cost = interpolate(r, n) + calls * c
+    if excess and kind(setting) in excess:  # a plain round is 1 + excess["plain"] passes: the unit
+        cost = (cost + excess[kind(setting)]) / (1 + excess["plain"])
     return {"tau_predicted": tau, "r": interpolate(r, n), "cost": cost, "speedup_predicted": tau / cost}
+
+
+def to_time(table: list[dict], settings: list[dict]) -> list[dict]:
+    """The settings whose whole rounds are timed: plain decoding and, per drafting kind, the one the passes alone
+    predict best (the one that kind would be served with unless its excess changes the ranking)."""
+    best = {}
+    for row, s in zip(table, settings):
+        if kind(s) not in best or row["speedup_predicted"] > best[kind(s)][0]:
+            best[kind(s)] = (row["speedup_predicted"], s)
+    return [best.pop("plain")[1], *(s for _, s in best.values())]
+
+
+def round_excess(settings: list[dict], seconds: list[float], costs: dict, alphas: list[float]) -> dict:
+    """Per kind: a timed round's seconds in target passes, less what the passes alone predict (plain: 1)."""
+    one = costs["target_pass_1_s"]
+    return {kind(s): t / one - predict(s, [1.0] * len(alphas), costs["r"], costs["c"])["cost"]
+            for s, t in zip(settings, seconds)}
 
 
 def interpolate(r: dict, n: int) -> float:
@@ -181,12 +211,12 @@ def interpolate(r: dict, n: int) -> float:
 
 
 def choose(family: str, max_steps: int | None, alphas: list[float], costs: dict, tree: str | None,
-           tau_chain: dict | None = None) -> dict:
+           tau_chain: dict | None = None, excess: dict | None = None) -> dict:
     """-> {"choice": best setting, "predicted": ..., "table": every candidate with its prediction}."""
     table = []
     for s in candidates(family, max_steps, alphas, tree):
         row = {k: v for k, v in s.items() if k != "tree_paths"}
-        table.append({**row, **predict(s, alphas, costs["r"], costs["c"], tau_chain)})
+        table.append({**row, **predict(s, alphas, costs["r"], costs["c"], tau_chain, excess)})
     # max keeps the first of equals: speculation must predict more than plain decoding (candidate 0) to win
     best = max(range(len(table)), key=lambda i: table[i]["speedup_predicted"])
     choice = candidates(family, max_steps, alphas, tree)[best]

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from heads import chat
 from heads.checkpoint import check_target, load_head
 from heads.target import load_target, resolve_dtype, shared_dir
-from serve import auto
+from serve import auto, calibrate
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.model import Transformer, fast_linears
@@ -174,11 +174,13 @@ def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
         prior = alphas[: head.max_draft_steps] if head.max_draft_steps is not None else alphas
         return {"adaptive": True, **({"tree": cfg.tree} if cfg.tree else {})}, {**inputs, "settings": settings,
                                                                                "prior": prior}
-    record = auto.choose(head.family, head.max_draft_steps, alphas, costs, cfg.tree, read["tau_chain"])
+    record = calibrate.choose(model, head, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), alphas, costs, cfg.tree,
+                              read["tau_chain"])
     record.update(inputs)
-    log.info("gamma=auto chose %s (predicted speedup %.2fx from α=%s, c=%.3f)",
-             {k: v for k, v in record["choice"].items() if k != "tree_paths"},
-             record["predicted"]["speedup_predicted"], [round(a, 3) for a in alphas], costs["c"])
+    log.info("gamma=auto chose %s (predicted speedup %.2fx from α=%s, c=%.3f; a round's excess over its passes, "
+             "in passes: %s)", {k: v for k, v in record["choice"].items() if k != "tree_paths"},
+             record["predicted"]["speedup_predicted"], [round(a, 3) for a in alphas], costs["c"],
+             {k: round(v, 2) for k, v in record["round_excess"].items()})
     if record["choice"] == {"gamma": 0}:
         log.warning("gamma=auto: no setting predicts more than 1x on this machine (best draft setting %.2fx): "
                     "decoding without speculation", max(row["speedup_predicted"] for row in record["table"][1:]))

@@ -80,6 +80,7 @@ def test_gamma_auto_records_choice(files, tmp_path):
     choice = bench["auto"]
     assert choice["alpha"] == [0.6, 0.5, 0.4] and choice["acceptance_json"].endswith("acceptance.json")
     assert {"r", "c", "target_pass_1_s"} <= set(choice["costs"]) and len(choice["table"]) > 3
+    assert set(choice["round_excess"]) == {"plain", "chain", "tree"} and len(choice["rounds_timed_s"]) == 3
     best = max(row["speedup_predicted"] for row in choice["table"])
     assert choice["predicted"]["speedup_predicted"] == best
     for key, value in choice["choice"].items():

@@ -111,6 +111,50 @@ def test_plain_decoding_wins_when_nothing_pays():
     assert auto.choose("eagle", None, alphas, {"r": r, "c": 0.05}, None)["choice"] == {"gamma": 1}
 
 
+def test_round_excess_moves_the_choice_off_a_dear_kind():
+    """The same α and passes: with a round's excess counted a tree that wins on its passes loses to a chain, and
+    with every drafted kind dear plain decoding wins; in plain-round units plain stays exactly 1."""
+    alphas, r = [0.6, 0.5, 0.4], {n: 1.0 + 0.01 * (n - 1) for n in range(1, 70)}
+    costs = {"r": r, "c": 0.05}
+    assert auto.choose("eagle", None, alphas, costs, "dynamic")["choice"].get("tree") == "dynamic"
+    chain = auto.choose("eagle", None, alphas, costs, "dynamic", excess={"plain": 0.1, "chain": 0.2, "tree": 2.0})
+    assert "gamma" in chain["choice"] and chain["choice"]["gamma"] > 0, chain["predicted"]
+    off = auto.choose("eagle", None, alphas, costs, "dynamic", excess={"plain": 0.1, "chain": 3.0, "tree": 3.0})
+    assert off["choice"] == {"gamma": 0} and off["predicted"]["speedup_predicted"] == 1.0
+    # the excess is the timed round less its passes, in passes: 30 ms rounds over 10 ms passes
+    timed = [{"gamma": 0}, {"gamma": 2}]
+    excess = auto.round_excess(timed, [0.012, 0.030], {"target_pass_1_s": 0.01, **costs}, alphas)
+    assert excess["plain"] == pytest.approx(0.2) and excess["chain"] == pytest.approx(3.0 - (r[3] + 2 * 0.05))
+
+
+def test_calibrated_choice_sees_what_a_tree_round_costs(tiny_target, monkeypatch):
+    """A tree round made 40 ms dearer outside its passes (as a host sync or Python would): time_rounds must see it
+    in the tree's excess and not in the chain's, and gamma=auto must then leave the tree that its passes favour."""
+    from serve import calibrate
+
+    model = runner_model(tiny_target)
+    head = perturbed_head("eagle", tiny_target, model)
+    accept = calibrate.accept
+
+    def slow_tree_accept(dec, verdict, hidden):
+        if dec.tree is not None:
+            time.sleep(0.04)
+        return accept(dec, verdict, hidden)
+
+    monkeypatch.setattr(calibrate, "accept", slow_tree_accept)
+    alphas = [0.6, 0.5, 0.4]
+    costs = {"r": {n: 1.0 + 0.01 * (n - 1) for n in range(1, 70)}, "c": 0.05}
+    model.setup_cache(8)
+    costs["target_pass_1_s"] = auto._seconds(lambda: model(torch.ones(1, 1, dtype=torch.long), 0), 5)
+    record = calibrate.choose(model, head, Sampling(), alphas, costs, "dynamic")
+    assert record["passes_only_choice"]["setting"].startswith("dynamic tree"), record["passes_only_choice"]
+    assert set(record["round_excess"]) == {"plain", "chain", "tree"}
+    extra = 0.04 / costs["target_pass_1_s"]  # the sleep, in passes
+    gap = record["round_excess"]["tree"] - record["round_excess"]["chain"]
+    assert 0.8 * extra < gap < 1.5 * extra + 3, (gap, extra, record["round_excess"])
+    assert "tree" not in record["choice"], record["predicted"]
+
+
 def test_measure_costs_follows_the_clock(tiny_target):
     """Give the target a known cost per token and the draft step a known cost (sleeps around the real calls):
     r(n) and c must come out as those ratios, measured at the requested context. A cost model that timed the
