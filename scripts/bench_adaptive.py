@@ -62,7 +62,8 @@ def methods_for(head, read: dict, costs: dict) -> dict[str, dict]:
     tree = TREES.get(family)
     top = len(alphas) if steps is None else min(len(alphas), steps)
     out = {auto.describe({"gamma": g}): {"gamma": g} for g in range(1, top + 1)}
-    predict = lambda s: auto.predict(s, alphas, costs["r"], costs["c"], read["tau_chain"])["speedup_predicted"]
+    predict = lambda s: auto.predict(s, alphas, costs["r"], costs["c"], read["tau_chain"],
+                                     ranks=read["ranks"])["speedup_predicted"]
     if tree:
         best_tree = max((s for s in auto.candidates(family, steps, alphas, tree) if "tree" in s), key=predict)
         out[auto.describe(best_tree)] = best_tree
@@ -102,7 +103,7 @@ def run_head(model, head, head_dir, prompts, stops, args, T) -> dict:
     read = auto.read_acceptance(acc, T)
     costs = auto.measure_costs(model, head, auto.sizes_for(head.max_draft_steps, read["alpha"], TREES.get(head.family)))
     record = calibrate.choose(model, head, Sampling(T), read["alpha"], costs, TREES.get(head.family),
-                              read["tau_chain"])  # gamma=auto's choice, as serve/main.py makes it
+                              read["tau_chain"], read["ranks"])  # gamma=auto's choice, as serve/main.py makes it
     settings = methods_for(head, read, costs)
     if record["choice"] != {"gamma": 0}:  # auto's pick is always a row (plain is one already)
         settings.setdefault(auto.describe(record["choice"]), record["choice"])

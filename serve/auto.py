@@ -69,19 +69,21 @@ def _at_temperature(by_t: dict | None, t: float):
 
 def read_acceptance(path: Path, temperature: float) -> dict:
     """-> {"alpha": the per-position rates predictions use, "tau_chain": {γ: τ} or None, "temperature",
-    "source": CHAIN_WALK or PRODUCT, "alpha_mean": mean α per position}. The chain figures are used when the
-    record has them at the chosen temperature."""
+    "source": CHAIN_WALK or PRODUCT, "alpha_mean": mean α per position, "ranks": alpha_rank or None}. The
+    chain figures are used when the record has them at the chosen temperature."""
     record = json.loads(Path(path).read_text())
     alphas, t = read_alphas(path, temperature)
     chain = _at_temperature(record.get("alpha_chain_by_temperature"), t)
     walk = _at_temperature(record.get("tau_predicted_by_temperature"), t)
     if chain is None and "alpha_chain" in record and float(record.get("temperature", t)) == t:
         chain, walk = record["alpha_chain"], record.get("tau_predicted")
+    ranks = _at_temperature(record.get("alpha_rank_by_temperature"), t)  # greedy only: None at T > 0
     if not chain:
-        return {"alpha": alphas, "tau_chain": None, "temperature": t, "source": PRODUCT, "alpha_mean": alphas}
+        return {"alpha": alphas, "tau_chain": None, "temperature": t, "source": PRODUCT, "alpha_mean": alphas,
+                "ranks": ranks}
     tau = {int(g): float(v) for g, v in walk.items()} if isinstance(walk, dict) else None
     return {"alpha": [float(a) for a in chain], "tau_chain": tau, "temperature": t, "source": CHAIN_WALK,
-            "alpha_mean": alphas}
+            "alpha_mean": alphas, "ranks": ranks}
 
 
 def _seconds(fn, reps: int) -> float:
@@ -159,9 +161,10 @@ def kind(setting: dict) -> str:
 
 
 def predict(setting: dict, alphas: list[float], r: dict, c: float, tau_chain: dict | None = None,
-            excess: dict | None = None) -> dict:
+            excess: dict | None = None, ranks: list | None = None) -> dict:
     """tau_chain: the recorded chain-walk τ per γ, used for chains where it has that γ. excess (round_excess):
-    per kind, what a whole round cost beyond its passes, in target passes; the cost is then in plain rounds."""
+    per kind, what a whole round cost beyond its passes, in target passes; the cost is then in plain rounds.
+    ranks: the recorded greedy hit rate per draft rank (alpha_rank), for trees' siblings (tree.rank_accept)."""
     if setting.get("gamma") == 0:
         return {"tau_predicted": 1.0, "r": 1.0, "cost": 1.0, "speedup_predicted": 1.0}
     if "gamma" in setting:
@@ -169,10 +172,11 @@ def predict(setting: dict, alphas: list[float], r: dict, c: float, tau_chain: di
         tau = (tau_chain or {}).get(n - 1) or tau_predicted(alphas[: setting["gamma"]])[setting["gamma"]]
     elif setting["tree"] == "static":
         n, calls = setting["tree_total_tokens"] + 1, setting["tree_depth"]
-        tau = expected_tau_paths(alphas, setting["tree_paths"])
+        tau = expected_tau_paths(alphas, setting["tree_paths"], ranks)
     else:
         n, calls = setting["tree_total_tokens"] + 1, setting["tree_depth"]
-        tau = expected_tau_dynamic(alphas, setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"])
+        tau = expected_tau_dynamic(alphas, setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"],
+                                   ranks)
     cost = interpolate(r, n) + calls * c
     if excess and kind(setting) in excess:  # a plain round is 1 + excess["plain"] passes: the unit
         cost = (cost + excess[kind(setting)]) / (1 + excess["plain"])
@@ -211,12 +215,12 @@ def interpolate(r: dict, n: int) -> float:
 
 
 def choose(family: str, max_steps: int | None, alphas: list[float], costs: dict, tree: str | None,
-           tau_chain: dict | None = None, excess: dict | None = None) -> dict:
+           tau_chain: dict | None = None, excess: dict | None = None, ranks: list | None = None) -> dict:
     """-> {"choice": best setting, "predicted": ..., "table": every candidate with its prediction}."""
     table = []
     for s in candidates(family, max_steps, alphas, tree):
         row = {k: v for k, v in s.items() if k != "tree_paths"}
-        table.append({**row, **predict(s, alphas, costs["r"], costs["c"], tau_chain, excess)})
+        table.append({**row, **predict(s, alphas, costs["r"], costs["c"], tau_chain, excess, ranks)})
     # max keeps the first of equals: speculation must predict more than plain decoding (candidate 0) to win
     best = max(range(len(table)), key=lambda i: table[i]["speedup_predicted"])
     choice = candidates(family, max_steps, alphas, tree)[best]

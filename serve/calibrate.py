@@ -47,16 +47,16 @@ def time_rounds(model, head, sampling: Sampling, settings: list[dict], context: 
 
 
 def choose(model, head, sampling: Sampling, alphas: list[float], costs: dict, tree: str | None,
-           tau_chain: dict | None = None) -> dict:
+           tau_chain: dict | None = None, ranks: list | None = None) -> dict:
     """auto.choose with each kind's round excess: plain decoding and the best setting of each drafting kind by
     the passes alone are timed whole, and the table is scored again. The record says what was timed and what the
     passes alone would have chosen."""
     family, steps = head.family, head.max_draft_steps
-    passes_only = auto.choose(family, steps, alphas, costs, tree, tau_chain)
+    passes_only = auto.choose(family, steps, alphas, costs, tree, tau_chain, ranks=ranks)
     timed = auto.to_time(passes_only["table"], auto.candidates(family, steps, alphas, tree))
     seconds = time_rounds(model, head, sampling, timed)
     excess = auto.round_excess(timed, seconds, costs, alphas)
-    record = auto.choose(family, steps, alphas, costs, tree, tau_chain, excess)
+    record = auto.choose(family, steps, alphas, costs, tree, tau_chain, excess, ranks)
     record.update(round_excess=excess, rounds_timed_s={auto.describe(s): t for s, t in zip(timed, seconds)},
                   passes_only_choice={"setting": auto.describe(passes_only["choice"]), **passes_only["predicted"]})
     return record

@@ -168,14 +168,15 @@ def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
     log.info("gamma=%s: τ predicted from the %s in %s (T=%s)", cfg.gamma, read["source"], acc, read["temperature"])
     costs = auto.measure_costs(model, head, auto.sizes_for(head.max_draft_steps, alphas, cfg.tree))
     inputs = {"acceptance_json": str(acc), "alpha": alphas, "alpha_temperature": read["temperature"],
-              "alpha_source": read["source"], "tau_chain": read["tau_chain"], "costs": costs}
+              "alpha_source": read["source"], "tau_chain": read["tau_chain"], "alpha_rank": read["ranks"],
+              "costs": costs}
     if cfg.gamma == "adaptive":
         settings = auto.candidates(head.family, head.max_draft_steps, alphas, cfg.tree)
         prior = alphas[: head.max_draft_steps] if head.max_draft_steps is not None else alphas
         return {"adaptive": True, **({"tree": cfg.tree} if cfg.tree else {})}, {**inputs, "settings": settings,
                                                                                "prior": prior}
     record = calibrate.choose(model, head, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), alphas, costs, cfg.tree,
-                              read["tau_chain"])
+                              read["tau_chain"], read["ranks"])
     record.update(inputs)
     log.info("gamma=auto chose %s (predicted speedup %.2fx from α=%s, c=%.3f; a round's excess over its passes, "
              "in passes: %s)", {k: v for k, v in record["choice"].items() if k != "tree_paths"},

@@ -182,39 +182,48 @@ def build_tree(setting: dict, device) -> StaticTree | DynamicTree | None:
 
 # -- expected tokens per target pass (auto selection and the benchmark's prediction) --------------------------
 
-def rank_accept(alphas: list[float], depth: int, rank: int) -> float:
-    """P(the rank-r child at ``depth`` is kept | its parent was kept, its elder siblings were not).
+def rank_accept(alphas: list[float], depth: int, rank: int, ranks=None) -> float:
+    """P(the rank-r child at ``depth`` is kept | its parent was kept): α_d × how often rank r hits relative to rank 0.
 
-    A model, not a measurement: each rejected sibling leaves the next one the same chance α_d, so
-    P(rank r kept) = α_d (1 − α_d)^r (positional acceptance, as in Sequoia).
+    ``ranks`` (acceptance.json's alpha_rank, T = 0): per depth, P(the target's token is the head's rank-r token),
+    measured; used as ratios to rank 0 (non-increasing) so that rank 0 keeps the chain's α_d. Without it a model:
+    each rejected sibling leaves the next one the same chance α_d, P(rank r kept) = α_d (1 − α_d)^r (positional
+    acceptance, as in Sequoia), which over-predicted a weak EAGLE-3 head's 8-node tree τ by a third (README).
     """
     a = alphas[min(depth, len(alphas)) - 1]
-    return a * (1 - a) ** rank
+    row = ranks[min(depth, len(ranks)) - 1] if ranks else None
+    if not row or row[0] <= 0:
+        return a * (1 - a) ** rank
+    ratio = 1.0
+    for r in range(1, min(rank, len(row) - 1) + 1):
+        ratio = min(ratio, row[r] / row[0])
+    return a * ratio * (1 - a) ** max(0, rank - len(row) + 1)  # past the measured ranks: positional decay
 
 
-def expected_tau_paths(alphas: list[float], paths) -> float:
+def expected_tau_paths(alphas: list[float], paths, ranks=None) -> float:
     """1 + Σ over nodes of P(node's path is accepted), for a static tree of index paths."""
     total = 1.0
     for p in paths:
         prob = 1.0
         for d, r in enumerate(p, start=1):
-            prob *= rank_accept(alphas, d, r)
+            prob *= rank_accept(alphas, d, r, ranks)
         total += prob
     return total
 
 
-def expected_tau_dynamic(alphas: list[float], depth: int, top_k: int, total_tokens: int) -> float:
+def expected_tau_dynamic(alphas: list[float], depth: int, top_k: int, total_tokens: int, ranks=None) -> float:
     """τ of the best tree of total_tokens nodes (depth ≤ depth, ≤ top_k children), grown best-first."""
-    grown = _best_first(tuple(alphas), depth, top_k, max(total_tokens, 64))
+    frozen = tuple(map(tuple, ranks)) if ranks else None
+    grown = _best_first(tuple(alphas), depth, top_k, max(total_tokens, 64), frozen)
     return grown[min(total_tokens, len(grown) - 1)]
 
 
 @functools.lru_cache(maxsize=64)
-def _best_first(alphas: tuple, depth: int, top_k: int, total_tokens: int) -> list[float]:
+def _best_first(alphas: tuple, depth: int, top_k: int, total_tokens: int, ranks: tuple | None = None) -> list[float]:
     """τ after 0, 1, .., total_tokens best-first nodes: adaptive drafting scores every size of one (depth, top_k)
     each round from one growth. A child is worth at most its parent and a sibling at most its elder, so a popped
     node only has to offer its first child and its next sibling to keep the best remaining node on the heap."""
-    rank = [[rank_accept(alphas, d, r) for r in range(top_k)] for d in range(depth + 1)]  # row 0 unused
+    rank = [[rank_accept(alphas, d, r, ranks) for r in range(top_k)] for d in range(depth + 1)]  # row 0 unused
     heap = [(-rank[1][0], 1, 0, 1.0)]  # (−value, depth, rank, the parent's value)
     taus = [1.0]
     for _ in range(total_tokens):

@@ -44,6 +44,22 @@ def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int,
     return grid
 
 
+RANKS = 4  # draft ranks whose greedy hit rate is recorded: the top-k a dynamic tree expands (serve/auto.py: 4)
+
+
+@torch.no_grad()
+def rank_hits(head: DraftHead, out, feats) -> torch.Tensor:
+    """[K, RANKS]: per draft step, anchors where the target's greedy token is the head's rank-r token. A tree's
+    rank-r child is kept exactly then (T = 0); tree.rank_accept otherwise guesses α_d (1 − α_d)^r, which
+    over-predicted a weak head's 8-node tree τ by a third (README)."""
+    hits = torch.zeros((len(out.states), RANKS), dtype=torch.float64)
+    for k in range(1, len(out.states) + 1):
+        draft = head.to_target_vocab(scored_logits(out, feats.loss_mask, k))  # [N, V]
+        best = feats.scored_target_logits(k).argmax(-1, keepdim=True)  # [N, 1]
+        hits[k - 1] = (draft.topk(RANKS, -1).indices == best).sum(0).double().cpu()
+    return hits
+
+
 def decoding(mask: np.ndarray) -> np.ndarray:
     """Anchors a runner decodes from: the span's last anchor is never one (its token ends the answer), and the
     span's first token comes from prefill, so Σ active = the tokens rounds emit (serve/'s τ numerator)."""
@@ -71,6 +87,7 @@ class Tally:
 
     def __init__(self, K: int):
         self.sums, self.counts, self.prods, self.rounds = (np.zeros(K) for _ in range(4))
+        self.ranks = np.zeros((K, RANKS))  # rank_hits, summed (greedy measurements only)
         self.tokens = self.anchors = 0
 
     def add(self, grid: torch.Tensor, loss_mask: torch.Tensor) -> None:
@@ -85,31 +102,35 @@ class Tally:
         self.anchors += int(m.sum())
 
     def merge(self, other: "Tally") -> None:
-        for name in ("sums", "counts", "prods", "rounds"):
+        for name in ("sums", "counts", "prods", "rounds", "ranks"):
             getattr(self, name).__iadd__(getattr(other, name))
         self.tokens += other.tokens
         self.anchors += other.anchors
 
     def to_tensor(self) -> torch.Tensor:
-        """[4K + 2] float64: every sum in one tensor, for one all-reduce over ranks."""
+        """[(4 + RANKS)K + 2] float64: every sum in one tensor, for one all-reduce over ranks."""
         return torch.from_numpy(np.concatenate([self.sums, self.counts, self.prods, self.rounds,
-                                                [self.tokens, self.anchors]]))
+                                                self.ranks.ravel(), [self.tokens, self.anchors]]))
 
     @classmethod
     def from_tensor(cls, flat: torch.Tensor) -> "Tally":
         flat = flat.double().cpu().numpy()
-        K = (len(flat) - 2) // 4
+        K = (len(flat) - 2) // (4 + RANKS)
         tally = cls(K)
         tally.sums, tally.counts, tally.prods, tally.rounds = (flat[i * K:(i + 1) * K].copy() for i in range(4))
+        tally.ranks = flat[4 * K:(4 + RANKS) * K].reshape(K, RANKS).copy()
         tally.tokens, tally.anchors = int(flat[-2]), int(flat[-1])
         return tally
 
     def summary(self) -> dict:
         chain = np.concatenate([[self.anchors], self.prods])  # Σ P(run ≥ k), k = 0..K
-        return {"alpha": [s / c if c else 0.0 for s, c in zip(self.sums, self.counts)],
-                "num_tokens": [int(c) for c in self.counts],
-                "alpha_chain": [float(b / a) if a else 0.0 for a, b in zip(chain[:-1], chain[1:])],
-                "tau_predicted": {g: float(self.tokens / r) if r else 1.0 for g, r in enumerate(self.rounds, start=1)}}
+        out = {"alpha": [s / c if c else 0.0 for s, c in zip(self.sums, self.counts)],
+               "num_tokens": [int(c) for c in self.counts],
+               "alpha_chain": [float(b / a) if a else 0.0 for a, b in zip(chain[:-1], chain[1:])],
+               "tau_predicted": {g: float(self.tokens / r) if r else 1.0 for g, r in enumerate(self.rounds, start=1)}}
+        if self.ranks.any():  # P(the target's greedy token is the head's rank-r token), per step
+            out["alpha_rank"] = [[float(h / c) if c else 0.0 for h in row] for row, c in zip(self.ranks, self.counts)]
+        return out
 
 
 @torch.no_grad()
@@ -129,6 +150,8 @@ def measure(heads: dict[str, DraftHead], target: Target, loader, temperatures, t
             out = head(feats.hidden_as(next(head.parameters()).dtype))  # a bf16 target's features, an fp32 head
             for t in temperatures:
                 tallies[name, t].add(acceptance_grid(head, out, feats, t, top_k, top_p), batch["loss_mask"])
+                if t == 0:  # what a greedy tree's siblings are kept at
+                    tallies[name, t].ranks += rank_hits(head, out, feats).numpy()
     return {n: {t: tallies[n, t] if raw else tallies[n, t].summary() for t in temperatures} for n in heads}
 
 
@@ -166,6 +189,9 @@ def acceptance_record(head_name: str, target_name: str, data: str, temperature: 
         "alpha_chain_by_temperature": {str(t): m["alpha_chain"] for t, m in measured.items()},
         "tau_predicted_by_temperature": {str(t): m["tau_predicted"] for t, m in measured.items()},
     }
+    ranks = {str(t): m["alpha_rank"] for t, m in measured.items() if "alpha_rank" in m}
+    if ranks:
+        record["alpha_rank_by_temperature"] = ranks
     if texts:
         record["text_by_temperature"] = {str(t): texts[t] for t in measured if t in texts}
     if "by_category" in main:

@@ -86,6 +86,20 @@ def test_expected_tau_reduces_to_the_chain():
     assert expected_tau_dynamic(alphas, 3, 4, 24) > expected_tau_dynamic(alphas, 3, 4, 8) > tau_predicted(alphas)[3]
 
 
+def test_measured_rank_rates_set_the_siblings():
+    """With alpha_rank a sibling is kept as often as the head's rank-r token was the target's, scaled to the chain's
+    α at rank 0; a head whose second choice never hits gives a tree no more than its chain."""
+    alphas = [0.5, 0.4]
+    ranks = [[0.4, 0.1, 0.05, 0.0], [0.3, 0.06, 0.0, 0.0]]
+    one_level = expected_tau_dynamic(alphas, 1, 4, 4, ranks)
+    assert one_level == pytest.approx(1 + 0.5 * (1 + 0.25 + 0.125))
+    assert one_level < expected_tau_dynamic(alphas, 1, 4, 4)  # positional: 0.5 (1 + 0.5 + 0.25 + 0.125)
+    only_top = [[0.4, 0.0, 0.0, 0.0], [0.3, 0.0, 0.0, 0.0]]
+    assert expected_tau_dynamic(alphas, 2, 4, 8, only_top) == pytest.approx(tau_predicted(alphas)[2])
+    assert expected_tau_paths(alphas, [(0,), (1,), (0, 0), (0, 1)], ranks) == pytest.approx(
+        1 + 0.5 + 0.5 * 0.25 + 0.5 * 0.4 + 0.5 * 0.4 * 0.2)
+
+
 def test_choose_maximises_predicted_speedup(tmp_path):
     alphas = [0.9, 0.85, 0.8, 0.75]
     r = {n: 1.0 + 0.02 * (n - 1) for n in range(1, 70)}

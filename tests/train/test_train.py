@@ -52,6 +52,10 @@ def test_outputs_and_acceptance_json(fast_cfg, tmp_path):
     taus = [saved["tau_predicted"][g] for g in ("1", "2", "3")]
     assert 1.0 <= taus[0] <= taus[1] <= taus[2] <= 1 + sum(saved["alpha"])
     assert set(saved["text_by_temperature"]) == {"0.0", "1.0"}
+    # rank 0's hit rate is greedy α by another route (top-k of the draft against the 0/1 match of Σ min(p, q))
+    ranks = saved["alpha_rank_by_temperature"]
+    assert set(ranks) == {"0.0"} and [row[0] for row in ranks["0.0"]] == pytest.approx(saved["alpha"])
+    assert all(sum(row) <= 1 + 1e-9 and row[1] > 0 for row in ranks["0.0"]), ranks  # distinct ranks, siblings hit
     # training reached the measured head: it beats its own untrained start at every position and temperature
     for t, alphas in saved["alpha_by_temperature"].items():
         untrained = saved["alpha_untrained_by_temperature"][t]
