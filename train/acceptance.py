@@ -28,36 +28,29 @@ from heads.sampling import probs_from_logits
 from heads.target import Target
 
 
+RANKS = 4  # draft ranks whose greedy hit rate is recorded: the top-k a dynamic tree expands (serve/auto.py: 4)
+
+
 @torch.no_grad()
-def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int, top_p: float,
+                    hits: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, K]: α of draft step k at anchor t (Σ min(p, q); 0/1 at T = 0); 0 where the predicted token is not
-    trained."""
+    trained. ``hits`` [K, RANKS], if given, gains per step the anchors where the target's greedy token is the head's
+    rank-r token, from the same logits: a greedy tree's rank-r child is kept exactly then, where tree.rank_accept
+    otherwise guesses α_d (1 − α_d)^r, which over-predicted a weak head's 8-node tree τ by a third (README)."""
     B, T = feats.loss_mask.shape
     grid = torch.zeros((B, T, len(out.states)), dtype=torch.float64)
     for k in range(1, len(out.states) + 1):
         mask = feats.loss_mask[:, k:]
         draft = head.to_target_vocab(scored_logits(out, feats.loss_mask, k))  # [N, V], scored anchors only
-        a = alpha(probs_from_logits(feats.scored_target_logits(k), temperature, top_k, top_p),
+        target = feats.scored_target_logits(k)
+        a = alpha(probs_from_logits(target, temperature, top_k, top_p),
                   probs_from_logits(draft, temperature, top_k, top_p))
         step = grid[:, :T - k, k - 1]  # a view: anchor t, step k predicts the token after t + k
         step[mask.cpu()] = a.double().cpu()
+        if hits is not None:
+            hits[k - 1] += (draft.topk(RANKS, -1).indices == target.argmax(-1, keepdim=True)).sum(0).double().cpu()
     return grid
-
-
-RANKS = 4  # draft ranks whose greedy hit rate is recorded: the top-k a dynamic tree expands (serve/auto.py: 4)
-
-
-@torch.no_grad()
-def rank_hits(head: DraftHead, out, feats) -> torch.Tensor:
-    """[K, RANKS]: per draft step, anchors where the target's greedy token is the head's rank-r token. A tree's
-    rank-r child is kept exactly then (T = 0); tree.rank_accept otherwise guesses α_d (1 − α_d)^r, which
-    over-predicted a weak head's 8-node tree τ by a third (README)."""
-    hits = torch.zeros((len(out.states), RANKS), dtype=torch.float64)
-    for k in range(1, len(out.states) + 1):
-        draft = head.to_target_vocab(scored_logits(out, feats.loss_mask, k))  # [N, V]
-        best = feats.scored_target_logits(k).argmax(-1, keepdim=True)  # [N, 1]
-        hits[k - 1] = (draft.topk(RANKS, -1).indices == best).sum(0).double().cpu()
-    return hits
 
 
 def decoding(mask: np.ndarray) -> np.ndarray:
@@ -87,7 +80,7 @@ class Tally:
 
     def __init__(self, K: int):
         self.sums, self.counts, self.prods, self.rounds = (np.zeros(K) for _ in range(4))
-        self.ranks = np.zeros((K, RANKS))  # rank_hits, summed (greedy measurements only)
+        self.ranks = np.zeros((K, RANKS))  # acceptance_grid's hits, summed (greedy measurements only)
         self.tokens = self.anchors = 0
 
     def add(self, grid: torch.Tensor, loss_mask: torch.Tensor) -> None:
@@ -149,9 +142,10 @@ def measure(heads: dict[str, DraftHead], target: Target, loader, temperatures, t
         for name, head in heads.items():
             out = head(feats.hidden_as(next(head.parameters()).dtype))  # a bf16 target's features, an fp32 head
             for t in temperatures:
-                tallies[name, t].add(acceptance_grid(head, out, feats, t, top_k, top_p), batch["loss_mask"])
-                if t == 0:  # what a greedy tree's siblings are kept at
-                    tallies[name, t].ranks += rank_hits(head, out, feats).numpy()
+                hits = torch.zeros((head.num_steps, RANKS), dtype=torch.float64) if t == 0 else None  # greedy trees
+                tallies[name, t].add(acceptance_grid(head, out, feats, t, top_k, top_p, hits), batch["loss_mask"])
+                if hits is not None:
+                    tallies[name, t].ranks += hits.numpy()
     return {n: {t: tallies[n, t] if raw else tallies[n, t].summary() for t in temperatures} for n in heads}
 
 
