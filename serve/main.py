@@ -133,7 +133,7 @@ def ready_to_draft(head, model, dtype):
     return fast_linears(head.to(dtype).eval().requires_grad_(False))
 
 
-def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
+def drafting(cfg, head, head_dir, model, sampling: Sampling) -> tuple[dict, dict | None]:
     """-> (the setting: {"gamma"} or a tree's, the auto-choice record or None)."""
     if head is None:
         if cfg.gamma not in ("auto", 0, None) or cfg.tree:
@@ -175,8 +175,7 @@ def drafting(cfg, head, head_dir, model) -> tuple[dict, dict | None]:
         prior = alphas[: head.max_draft_steps] if head.max_draft_steps is not None else alphas
         return {"adaptive": True, **({"tree": cfg.tree} if cfg.tree else {})}, {**inputs, "settings": settings,
                                                                                "prior": prior}
-    record = calibrate.choose(model, head, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), alphas, costs, cfg.tree,
-                              read["tau_chain"], read["ranks"])
+    record = calibrate.choose(model, head, sampling, alphas, costs, cfg.tree, read["tau_chain"], read["ranks"])
     record.update(inputs)
     log.info("gamma=auto chose %s (predicted speedup %.2fx from α=%s, c=%.3f; a round's excess over its passes, "
              "in passes: %s)", {k: v for k, v in record["choice"].items() if k != "tree_paths"},
@@ -222,8 +221,8 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     if cfg.head_path:
         head, head_dir = load_draft_head(cfg.head_path, target, model, dtype)
     prompts = load_prompts(cfg.prompts, target.tokenizer, cfg.chat_template, cfg.per_category, cfg.limit)
-    setting, choice = drafting(cfg, head, head_dir, model)
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    setting, choice = drafting(cfg, head, head_dir, model, sampling)
     adaptive = None
     if setting.get("adaptive"):
         costs = choice["costs"]
