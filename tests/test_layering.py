@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,28 @@ def test_imports_flow_one_way(package):
     assert not {f: r for f, r in bad.items() if r}, f"sideways imports: {bad}"
 
 
+def project_python_files() -> list[Path]:
+    """The project's own .py files: what git tracks (plus new files not yet added), never a virtualenv, build or
+    cache directory inside the clone, which a new user's `python3 -m venv .venv` puts there."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (an unpacked sdist): walk, minus envs
+        skip = {".venv", "venv", ".venvs", "build", "dist", ".git", "node_modules"}
+        return [f for f in ROOT.rglob("*.py") if not skip & set(f.relative_to(ROOT).parts)]
+    return [ROOT / name for name in listed if (ROOT / name).is_file()]
+
+
+def test_project_files_exclude_a_virtualenv_in_the_clone():
+    files = project_python_files()
+    assert ROOT / "tests" / "test_layering.py" in files
+    assert not [f for f in files if {".venv", "site-packages"} & set(f.relative_to(ROOT).parts)]
+
+
 def test_scripts_import_no_project_code_sideways():
     """scripts/ are thin tools: they may use heads/ but nothing imports them."""
-    for f in ROOT.rglob("*.py"):
-        if "scripts" in f.parts or ".venvs" in f.parts:
+    for f in project_python_files():
+        if "scripts" in f.relative_to(ROOT).parts:
             continue
         tree = ast.parse(f.read_text(), filename=str(f))
         for node in ast.walk(tree):

@@ -199,7 +199,8 @@ def test_packed_target_logits_score_as_dense(name, tiny_target):
     assert loss.item() == pytest.approx(ref[0].item(), rel=1e-6)
     assert stats["alpha@2"].item() == pytest.approx(ref[1]["alpha@2"].item(), abs=1e-6)
     torch.testing.assert_close(grads, ref[2])
-    assert sums == pytest.approx(ref[3]) and grid.sum() > 0
+    # (Σα per step, token count per step): pytest >= 9.2 refuses approx on nested tuples, so compare each part
+    assert sums[0] == pytest.approx(ref[3][0]) and sums[1] == ref[3][1] and grid.sum() > 0
     torch.testing.assert_close(grid, ref[4])
 
 
@@ -249,7 +250,8 @@ def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family
         for a, b in zip(small(feats).logits, full(feats).logits):
             assert a.shape[-1] == V
             torch.testing.assert_close(a, b)
-        assert alpha_sums(small, small(feats), feats, 1.0) == pytest.approx(alpha_sums(full, full(feats), feats, 1.0))
+        (small_sums, small_counts), (full_sums, full_counts) = (alpha_sums(h, h(feats), feats, 1.0) for h in (small, full))
+        assert small_sums == pytest.approx(full_sums) and small_counts == full_counts
 
 
 def test_loss_vocab_sampled_adds_fresh_other_tokens_each_step(tiny_target):
