@@ -54,18 +54,18 @@ class FrequentTokenLoss:
     Medusa: its own trained ones): ``loss_vocab_size`` lets the training loss score only the training data's most
     frequent tokens, plus ``loss_vocab_sampled`` others drawn at random every training step.
 
-    In training mode the read-out uses only those rows of the lm_head, and the soft cross-entropy is taken against
-    the target's distribution renormalised to them, as EAGLE-3's reduced draft vocabulary is trained. On a CPU the
-    full 49k-row lm_head forward and backward at every step is most of such a head's step (README). Eval mode
-    (held-out α, drafting, every export) reads the full lm_head, so the head can still draft any token and its
-    weights are the same either way. That is only safe if nothing drives the never-scored tokens' logits up: EAGLE-1's
-    feature regression keeps its output where the target's features live, but MTP's output is free, and with the 8k
-    most frequent tokens alone its held-out α₁ fell to 0.034 against 0.206 for the full vocabulary (README). The
-    sampled tokens (sampled-softmax negatives) put every other token under the loss now and then. A trained lm_head
-    (Medusa) then also gets gradient on every row now and then, and only on those rows each step.
-    The index buffers are not saved: ``set_vocab_map`` rebuilds them from the same data on a resume, and exports carry
-    only what drafting reads. Call ``init_loss_vocab`` in ``__init__``; the training loop calls
-    ``resample_loss_vocab(global_step)`` before each step.
+    In training mode the read-out uses only those rows of the lm_head, and the soft cross-entropy is taken against the
+    target's distribution renormalised to them, as EAGLE-3's reduced draft vocabulary is trained. On a CPU the full
+    49k-row lm_head forward and backward at every step is most of such a head's step
+    (docs/results/training-and-scaling.md). Eval mode (held-out α, drafting, every export) reads the full lm_head, so
+    the head can still draft any token and its weights are the same either way. That is only safe if nothing drives the
+    never-scored tokens' logits up: EAGLE-1's feature regression keeps its output where the target's features live, but
+    MTP's output is free, and with the 8k most frequent tokens alone its held-out α₁ fell to 0.034 against 0.206 for the
+    full vocabulary (docs/results/training-and-scaling.md). The sampled tokens (sampled-softmax negatives) put every
+    other token under the loss now and then. A trained lm_head (Medusa) then also gets gradient on every row now and
+    then, and only on those rows each step. The index buffers are not saved: ``set_vocab_map`` rebuilds them from the
+    same data on a resume, and exports carry only what drafting reads. Call ``init_loss_vocab`` in ``__init__``; the
+    training loop calls ``resample_loss_vocab(global_step)`` before each step.
     """
 
     dims: "TargetDims"

@@ -92,8 +92,9 @@ def _seconds(fn, reps: int) -> float:
 
 
 def _seconds_interleaved(fns: dict, reps: int) -> dict:
-    """Fastest of reps runs of each fn, the fns taking turns. Timed one size after another, a slow spell on a
-    shared machine landed on some sizes only: r(2) read 0.95 to 1.50 over five runs on one idle CPU (README)."""
+    """Fastest of reps runs of each fn, the fns taking turns. Timed one size after another, a slow spell on a shared
+    machine landed on some sizes only: r(2) read 0.95 to 1.50 over five runs on one idle CPU
+    (docs/results/serving-and-adaptive.md)."""
     for fn in fns.values():  # warm-up (compiled: a graph per new shape)
         fn()
     times = {k: [] for k in fns}

@@ -21,11 +21,11 @@ def time_rounds(model, head, sampling: Sampling, settings: list[dict], context: 
     """Seconds of one whole decode round (draft, verify, accept) per setting, the fastest of rounds × blocks.
 
     serve.auto.measure_costs times the target pass and the draft step alone. The rest of a round (the drafting loop's
-    Python, verify's sampling and host sync, the commit, a tree's mask and its shape sync) is not small next to a
-    small target's pass: on the compiled SmolLM2 runner an 8-node tree ran ~2.35 plain rounds against 1.84
-    predicted, and gamma=auto served it at 0.65x plain (README). Settings take turns, block by block, each from a
-    fresh prefill of the same random ``context`` tokens (they share the target's cache); a block's first round is
-    a warm-up. Random text is rarely accepted, so rounds keep ~1 token: the cost of the round, not of its luck.
+    Python, verify's sampling and host sync, the commit, a tree's mask and its shape sync) is not small next to a small
+    target's pass: on the compiled SmolLM2 runner an 8-node tree ran ~2.35 plain rounds against 1.84 predicted, and
+    gamma=auto served it at 0.65x plain (docs/results/serving-and-adaptive.md). Settings take turns, block by block,
+    each from a fresh prefill of the same random ``context`` tokens (they share the target's cache); a block's first
+    round is a warm-up. Random text is rarely accepted, so rounds keep ~1 token: the cost of the round, not of its luck.
     """
     device = model.device
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))

@@ -234,7 +234,7 @@ def verify(dec: Decoder, drafted):
 def verify_greedy(dec: Decoder, draft_tokens: torch.Tensor, logits: torch.Tensor):
     """T = 0 chain verdict: keep drafts while they equal the target's argmax (first maximal id, as
     probs_from_logits' one-hot has it), then emit the argmax after the last kept one. ~2.5 ms less per round
-    than the general rule on SmolLM2's 49k vocabulary (README)."""
+    than the general rule on SmolLM2's 49k vocabulary (docs/results/serving-and-adaptive.md)."""
     best = logits.argmax(-1)  # [γ+1]
     hits = draft_tokens == best[:-1]
     n = hits.long().cumprod(0).sum()
@@ -284,7 +284,7 @@ def choose_setting(dec: Decoder) -> None:
         dec.backlog = []
 
 
-@torch.inference_mode()  # plain decoding took 0.926x the time of no_grad on CPU (README)
+@torch.inference_mode()  # plain decoding took 0.926x the time of no_grad on CPU (docs/results/step-cost.md)
 def generate(dec: Decoder, prompt: torch.Tensor, max_new_tokens: int, stop_ids=()) -> tuple[list[int], Stats]:
     """Decode up to max_new_tokens after prompt [P] (stopping after a stop id). Returns (tokens, this call's stats)."""
     dec.stats, dec.backlog, dec.trace = Stats(), [], []

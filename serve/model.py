@@ -277,13 +277,13 @@ class Transformer(nn.Module):
     def compile(self, **kwargs) -> "Transformer":
         """Compile the forward with torch.compile (kwargs go to it), gpt-fast's cure for per-op overhead.
 
-        A decode step runs ~2,000 small ops over 30 layers, each paying PyTorch's dispatch (~15 ms of a ~60 ms
-        SmolLM2 step on a 2-core CPU, README); compiled, they become a few fused loops per layer between the
-        projections (MKL's products, see Linear.compiled_row), attention included (inline_attention). Each pass
-        kind (one token; a few, chain or tree; per set of hidden states kept) compiles once, minutes on a small
-        CPU; the position ``start`` and the token count turn dynamic on their second value. Results match eager
-        to float rounding (the same products; fused norms and rotary sum in another order). One-token
-        projections split their columns over two threads if there are two or more now, as eager steps do.
+        A decode step runs ~2,000 small ops over 30 layers, each paying PyTorch's dispatch (~15 ms of a ~60 ms SmolLM2
+        step on a 2-core CPU, docs/results/step-cost.md); compiled, they become a few fused loops per layer between the
+        projections (MKL's products, see Linear.compiled_row), attention included (inline_attention). Each pass kind
+        (one token; a few, chain or tree; per set of hidden states kept) compiles once, minutes on a small CPU; the
+        position ``start`` and the token count turn dynamic on their second value. Results match eager to float rounding
+        (the same products; fused norms and rotary sum in another order). One-token projections split their columns over
+        two threads if there are two or more now, as eager steps do.
 
         Prompts stay eager (``last_only`` passes, as the decode loop's prefill is, and any pass over more than
         COMPILED_MAX_TOKENS): they are GEMMs that dispatch overhead barely touches, and every new prompt length,

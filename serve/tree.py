@@ -186,9 +186,10 @@ def rank_accept(alphas: list[float], depth: int, rank: int, ranks=None) -> float
     """P(the rank-r child at ``depth`` is kept | its parent was kept): α_d × how often rank r hits relative to rank 0.
 
     ``ranks`` (acceptance.json's alpha_rank, T = 0): per depth, P(the target's token is the head's rank-r token),
-    measured; used as ratios to rank 0 (non-increasing) so that rank 0 keeps the chain's α_d. Without it a model:
-    each rejected sibling leaves the next one the same chance α_d, P(rank r kept) = α_d (1 − α_d)^r (positional
-    acceptance, as in Sequoia), which over-predicted a weak EAGLE-3 head's 8-node tree τ by a third (README).
+    measured; used as ratios to rank 0 (non-increasing) so that rank 0 keeps the chain's α_d. Without it a model: each
+    rejected sibling leaves the next one the same chance α_d, P(rank r kept) = α_d (1 − α_d)^r (positional acceptance,
+    as in Sequoia), which over-predicted a weak EAGLE-3 head's 8-node tree τ by a third
+    (docs/results/serving-and-adaptive.md).
     """
     a = alphas[min(depth, len(alphas)) - 1]
     row = ranks[min(depth, len(ranks)) - 1] if ranks else None
