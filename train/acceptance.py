@@ -37,7 +37,8 @@ def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int,
     """[B, T, K]: α of draft step k at anchor t (Σ min(p, q); 0/1 at T = 0); 0 where the predicted token is not
     trained. ``hits`` [K, RANKS], if given, gains per step the anchors where the target's greedy token is the head's
     rank-r token, from the same logits: a greedy tree's rank-r child is kept exactly then, where tree.rank_accept
-    otherwise guesses α_d (1 − α_d)^r, which over-predicted a weak head's 8-node tree τ by a third (README)."""
+    otherwise guesses α_d (1 − α_d)^r, which over-predicted a weak head's 8-node tree τ by a third
+    (docs/results/serving-and-adaptive.md)."""
     B, T = feats.loss_mask.shape
     grid = torch.zeros((B, T, len(out.states)), dtype=torch.float64)
     for k in range(1, len(out.states) + 1):

@@ -116,7 +116,8 @@ def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
     if t.precision in ("auto", "bf16-if-native"):
         if on_gpu:
             t.precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-        else:  # bf16-if-native: bf16 only with bf16 units (emulated, its matmuls ran 8x slower than fp32: README)
+        else:  # bf16-if-native: bf16 only with bf16 units (emulated, its matmuls ran 8x slower than fp32:
+            # docs/results/training-and-scaling.md)
             t.precision = "bf16-mixed" if t.precision == "bf16-if-native" and cpu_has_bf16_units() else "32-true"
     if str(t.precision).startswith("16") and not on_gpu:
         raise UserError(f"trainer.precision={t.precision} needs a CUDA device; use 32-true or bf16-mixed on CPU")
@@ -131,7 +132,8 @@ def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
 
 
 def cpu_has_bf16_units() -> bool:
-    """AMX or AVX512-BF16: where bf16-mixed trains a head faster than fp32 on the CPU (1.3x measured, README)."""
+    """AMX or AVX512-BF16: where bf16-mixed trains a head faster than fp32 on the CPU (1.3x measured,
+    docs/results/training-and-scaling.md)."""
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
