@@ -1,9 +1,12 @@
 """Exactness of serve/verify.py on synthetic models: χ² tests that emitted tokens follow the target, and greedy paths.
 
-The toy "models" are next-token tables indexed by (position, last token), so the second emitted token's distribution
-depends on the first: the first two tokens of the output must follow p(y1) p(y2 | y1). When a round emits only one
-token, the second comes from a fresh round drafted from the prefix y1 (exactly what the decode loop does). The same
-χ² check is shown to FAIL for deliberately wrong rules, so passing it means something.
+The toy "models" are next-token tables indexed by (position, last token), so each emitted token's distribution
+depends on the one before: the first four tokens of the output must follow p(y1) p(y2 | y1) p(y3 | y2) p(y4 | y3).
+Rounds draft to depth 3, so those four tokens reach every drafted depth and the bonus token; when a round emits
+fewer, the rest come from fresh rounds drafted from the tokens so far (exactly what the decode loop does). The bonus
+token is also checked on its own: after a round that kept all three drafted tokens, y4 must follow p(y4 | y3). The
+same χ² checks are shown to FAIL for deliberately wrong rules, each one wrong only where a check looks, so passing
+them means something.
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ from serve.verify import (Tree, tree_attention_bias, tree_depths, verify_chain, 
 
 V = 10  # vocabulary of the toy models
 CTX = V  # "last token" of the empty prefix
-POS = 6  # positions the toy models know (two rounds of depth ≤ 3 need 5)
+GAMMA = 3
+TOKENS = GAMMA + 1  # tokens checked: every drafted depth, then the bonus
+POS = TOKENS + GAMMA  # positions the toy models know: a round of depth 3 started at the fourth token reads 7
 SAMPLES = 100_000
 P_MIN = 1e-3
-GAMMA = 3
 PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4]  # depth 3, up to three siblings per node
 
 TARGET = torch.randn(POS, V + 1, V, generator=torch.Generator().manual_seed(0)) * 2.0
@@ -33,8 +37,10 @@ SETTINGS = {"T1-topk4": (1.0, 4, 1.0), "T0.7-topp0.8": (0.7, 0, 0.8)}
 PLAIN = (1.0, 0, 1.0)
 
 
-def chi2_pvalue(samples: torch.Tensor, expected: torch.Tensor) -> float:
-    """χ² goodness of fit; cells expecting < 5 are pooled; a sample in a zero-probability cell gives 0."""
+def chi2_pvalue(samples: torch.Tensor, expected: torch.Tensor, ddof: int = 0) -> float:
+    """χ² goodness of fit; cells expecting < 5 are pooled; a sample in a zero-probability cell gives 0.
+
+    ``ddof``: degrees of freedom spent on margins taken from the samples themselves."""
     counts = torch.bincount(samples, minlength=expected.numel()).double()
     expected = expected.double().flatten()
     if counts[expected == 0].sum() > 0:
@@ -44,14 +50,14 @@ def chi2_pvalue(samples: torch.Tensor, expected: torch.Tensor) -> float:
     obs = torch.cat([counts[~small], counts[small].sum()[None]])
     exp = torch.cat([expected[~small], expected[small].sum()[None]])
     keep = exp > 0
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
+    return float(chisquare(obs[keep].numpy(), exp[keep].numpy(), ddof=ddof).pvalue)
 
 
 # ----------------------------------------------------------------------------------- one round of each verifier
 # Each round function: (P, Q [POS, V+1, V] processed tables, pos, last [B], gen) -> (emitted [B, ≥1], n_accepted [B]);
 # emitted[b, :n_accepted[b] + 1] are the round's tokens.
 
-def chain_round(P, Q, pos, last, gen, wrong=False):
+def chain_round(P, Q, pos, last, gen, wrong=None):
     B = last.shape[0]
     drafted, draft_rows, target_rows = [], [], []
     for i in range(GAMMA):
@@ -61,13 +67,18 @@ def chain_round(P, Q, pos, last, gen, wrong=False):
         drafted.append(last)
     target_rows.append(P[pos + GAMMA, last])
     drafted, target_probs = torch.stack(drafted, 1), torch.stack(target_rows, 1)  # [B, γ], [B, γ+1, V]
+    if wrong == "keep-last-draft":  # the last drafted token is kept whenever its predecessors are (depth 3 only)
+        target_probs[:, GAMMA - 1] = torch.nn.functional.one_hot(drafted[:, -1], V).to(target_probs)
     n, nxt = verify_chain_batched(drafted, torch.stack(draft_rows, 1), target_probs, gen)
-    if wrong:  # the classic bug: on rejection resample from p instead of the residual
-        rows = torch.arange(B)
+    rows = torch.arange(B)
+    if wrong == "resample-from-p":  # the classic bug: on rejection resample from p instead of the residual
         resampled = torch.multinomial(target_probs[rows, n], 1, generator=gen)[:, 0]
         nxt = torch.where(n < GAMMA, resampled, nxt)
+    if wrong == "bonus-from-last-row":  # off by one: the bonus drawn from the row that verified the last draft
+        stale = torch.multinomial(target_probs[:, GAMMA - 1], 1, generator=gen)[:, 0]
+        nxt = torch.where(n == GAMMA, stale, nxt)
     emitted = torch.cat([drafted, nxt[:, None]], 1)
-    emitted[torch.arange(B), n] = nxt
+    emitted[rows, n] = nxt
     return emitted, n
 
 
@@ -114,23 +125,65 @@ VERIFIERS = {
 }
 
 
-def first_two(round_fn, P, Q, gen, B=SAMPLES):
-    """The first two tokens of the output sequence [B], [B] (a second round where the first emitted one token)."""
-    emitted, n = round_fn(P, Q, 0, torch.full((B,), CTX), gen)
-    y1, y2 = emitted[:, 0], emitted[:, 1].clone()
-    again = n == 0
-    y2[again] = round_fn(P, Q, 1, y1[again], gen)[0][:, 0]
-    return y1, y2
+def first_tokens(round_fn, P, Q, gen, B=SAMPLES):
+    """The first TOKENS tokens of the output [B, TOKENS], and the first round's n_accepted [B].
+
+    Samples whose rounds emitted fewer tokens get further rounds, drafted from their last token at its position."""
+    out = torch.full((B, TOKENS), -1, dtype=torch.long)
+    have = torch.zeros(B, dtype=torch.long)
+    last = torch.full((B,), CTX)
+    first_n = None
+    for pos in range(TOKENS):  # every sample has exactly `pos` tokens when its next round starts here
+        todo = (have == pos).nonzero()[:, 0]
+        if not len(todo):
+            continue
+        emitted, n = round_fn(P, Q, pos, last[todo], gen)
+        first_n = n if pos == 0 else first_n
+        m = (n + 1).clamp_max(TOKENS - pos)  # tokens of this round that fall among the first TOKENS
+        for j in range(min(emitted.shape[1], TOKENS - pos)):
+            got = j < m
+            out[todo[got], pos + j] = emitted[got, j]
+        have[todo] += m
+        last[todo] = out[todo, have[todo] - 1]
+    assert bool((have == TOKENS).all())
+    return out, first_n
 
 
-def assert_target_distribution(round_fn, draft, setting, seed=0):
+def bonus_pvalue(round_fn, P, gen, wanted=2000, batches=5):
+    """χ² p-value of the bonus token on its own: after a round that kept all γ drafts, y4 ~ p(· | y3) at position γ.
+
+    The target drafts for itself here: full rounds are rare with a poor draft, and a top-k tree can have no path
+    that the target's filters keep, but with q = p every rule reaches depth γ often."""
+    Q = P
+    y3, y4 = [], []
+    for _ in range(batches):
+        emitted, n = round_fn(P, Q, 0, torch.full((SAMPLES,), CTX), gen)
+        full = n == GAMMA
+        y3.append(emitted[full, GAMMA - 1])
+        y4.append(emitted[full, GAMMA])
+        if sum(map(len, y3)) >= wanted:
+            break
+    y3, y4 = torch.cat(y3), torch.cat(y4)
+    assert len(y3) >= wanted, f"only {len(y3)} full rounds in {batches * SAMPLES} for the bonus check"
+    seen = torch.bincount(y3, minlength=V).double()
+    expected = seen[:, None] * P[GAMMA, :V].double()  # y3's own counts × p(y4 | y3): the y3 margin is not tested
+    return chi2_pvalue(y3 * V + y4, expected, ddof=int((seen > 0).sum()) - 1)
+
+
+def target_pvalues(round_fn, draft, setting, seed=0):
+    """χ² p-values of the first 1, 2, 3 and 4 tokens' joint law, and of the bonus token after a full round."""
     T, top_k, top_p = SETTINGS.get(setting, PLAIN)
     P = probs_from_logits(TARGET, T, top_k, top_p)
     Q = probs_from_logits(DRAFTS[draft], T, top_k, top_p)
-    y1, y2 = first_two(round_fn, P, Q, torch.Generator().manual_seed(seed))
-    first = chi2_pvalue(y1, P[0, CTX])
-    pair = chi2_pvalue(y1 * V + y2, P[0, CTX][:, None] * P[1, :V])  # p(y1) p(y2 | y1)
-    return first, pair
+    y, n = first_tokens(round_fn, P, Q, torch.Generator().manual_seed(seed))
+    joint, cell, pvalues = P[0, CTX], y[:, 0], {}
+    pvalues["y1"] = chi2_pvalue(cell, joint)
+    for k in range(1, TOKENS):  # p(y1..yk+1) = p(y1..yk) p(yk+1 | yk); cells are y1..yk+1 read as base-V digits
+        joint = joint[..., None] * P[k, :V]  # [V] * (k + 1); P[k, :V] broadcasts over the axes (yk, yk+1)
+        cell = cell * V + y[:, k]
+        pvalues[f"y1..y{k + 1}"] = chi2_pvalue(cell, joint)
+    pvalues["bonus"] = bonus_pvalue(round_fn, P, torch.Generator().manual_seed(seed + 1))
+    return pvalues
 
 
 @pytest.mark.slow
@@ -138,24 +191,34 @@ def assert_target_distribution(round_fn, draft, setting, seed=0):
 @pytest.mark.parametrize("draft", list(DRAFTS))
 @pytest.mark.parametrize("verifier", list(VERIFIERS))
 def test_emitted_tokens_follow_target(verifier, draft, setting):
-    first, pair = assert_target_distribution(VERIFIERS[verifier], draft, setting)
-    assert first > P_MIN and pair > P_MIN, (first, pair)
+    pvalues = target_pvalues(VERIFIERS[verifier], draft, setting)
+    assert min(pvalues.values()) > P_MIN, pvalues
 
 
 @pytest.mark.slow
 def test_fixed_scheme_is_exact_for_sampled_trees_too():
-    first, pair = assert_target_distribution(lambda *a: tree_round(*a, "iid", "fixed"), "poor", "plain")
-    assert first > P_MIN and pair > P_MIN, (first, pair)
+    pvalues = target_pvalues(lambda *a: tree_round(*a, "iid", "fixed"), "poor", "plain")
+    assert min(pvalues.values()) > P_MIN, pvalues
+
+
+# each wrong rule, and the check that must catch it (the others may pass: the rule is wrong only there)
+WRONG_RULES = {
+    "chain-resample-from-p": (lambda *a: chain_round(*a, wrong="resample-from-p"), "y1"),
+    "chain-keep-last-draft": (lambda *a: chain_round(*a, wrong="keep-last-draft"), "y1..y3"),
+    "chain-bonus-from-last-row": (lambda *a: chain_round(*a, wrong="bonus-from-last-row"), "bonus"),
+    "tree-topk-as-iid": (lambda *a: tree_round(*a, "topk", "iid"), "y1"),
+    "tree-wor-as-iid": (lambda *a: tree_round(*a, "wor", "iid"), "y1"),
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrong", ["chain-resample-from-p", "tree-topk-as-iid", "tree-wor-as-iid"])
+@pytest.mark.parametrize("wrong", list(WRONG_RULES))
 def test_wrong_rules_fail_the_same_check(wrong):
-    round_fn = {"chain-resample-from-p": lambda *a: chain_round(*a, wrong=True),
-                "tree-topk-as-iid": lambda *a: tree_round(*a, "topk", "iid"),
-                "tree-wor-as-iid": lambda *a: tree_round(*a, "wor", "iid")}[wrong]
-    first, pair = assert_target_distribution(round_fn, "poor", "plain")
-    assert min(first, pair) < P_MIN, (first, pair)
+    round_fn, check = WRONG_RULES[wrong]
+    pvalues = target_pvalues(round_fn, "poor", "plain")
+    assert pvalues[check] < P_MIN, pvalues
+    if check != "y1":  # wrong only from depth 3 on: the first two tokens pass, so only the new checks can see it
+        assert min(pvalues["y1"], pvalues["y1..y2"]) > P_MIN, pvalues
 
 
 # --------------------------------------------------------------------------------------------------------- greedy
