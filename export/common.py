@@ -15,14 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from heads.base import DraftHead, TargetDims
+from heads.errors import UserError  # noqa: F401  (export's entry points raise it; one definition for all)
 
 
 class ExportRefused(ValueError):
     """The head cannot be carried by the requested format (the message says what it can go to)."""
-
-
-class UserError(Exception):
-    """Bad input at the door (a missing or corrupt head, an unreadable target): one line naming the fix."""
 
 
 @dataclass

@@ -25,10 +25,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from heads import chat
 from heads.checkpoint import check_target, load_head
+from heads.errors import UserError
 from heads.target import load_target, resolve_dtype, shared_dir
 from serve import auto, calibrate
+from serve.prompts import check_unseen, load_prompts, stop_ids
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.model import Transformer, fast_linears
@@ -36,74 +37,6 @@ from serve.tree import MEDUSA_TREE, build_tree
 
 log = logging.getLogger("serve")
 OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), replace=True)
-
-
-class UserError(Exception):
-    """Bad input: reported as one line, no traceback."""
-
-
-# -- prompts -----------------------------------------------------------------------------------------------------
-
-def load_prompts(path, tokenizer, chat_template=True, per_category=None, limit=None) -> list[dict]:
-    """Spec-Bench ({"question_id", "category", "turns"}: first turn), {"messages": [...]} or {"prompt": "..."}.
-
-    -> [{"question_id", "category", "prompt_ids"}]. A trailing assistant message (a reference answer) is dropped.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"prompts={path}: no such file")
-    records = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{i}: not JSON ({e.msg}); prompts= wants one JSON object per line") from e
-        if not isinstance(rec, dict):
-            raise UserError(f"{path}:{i}: expected a JSON object with 'turns', 'messages' or 'prompt'")
-        if "turns" in rec:
-            messages, raw = [{"role": "user", "content": rec["turns"][0]}], None
-        elif "messages" in rec:
-            messages = [m for m in rec["messages"] if m.get("role") in ("system", "user", "assistant")]
-            while messages and messages[-1]["role"] == "assistant":
-                messages = messages[:-1]
-            if not messages:
-                raise UserError(f"{path}:{i}: 'messages' has no user turn")
-            raw = None
-        elif "prompt" in rec:
-            messages, raw = None, str(rec["prompt"])
-        else:
-            raise UserError(f"{path}:{i}: no 'turns', 'messages' or 'prompt' field (keys: {sorted(rec)})")
-        if raw is None and not chat_template:
-            raw = "\n\n".join(m["content"] for m in messages)
-        if raw is None:
-            try:
-                text = chat.render(tokenizer, messages, add_generation_prompt=True)
-            except chat.MissingChatTemplate as e:
-                raise UserError(f"{e} (or chat_template=false here)") from e
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = tokenizer(raw).input_ids
-        category = rec.get("category", "")
-        task = "mt_bench" if "turns" in rec and category not in SPEC_BENCH_TASKS else category
-        records.append({"question_id": rec.get("question_id", rec.get("id", i)), "category": task,
-                        "prompt_ids": ids})
-    if per_category:
-        seen: dict[str, int] = defaultdict(int)
-        kept = []
-        for r in records:
-            if seen[r["category"]] < per_category:
-                kept.append(r)
-                seen[r["category"]] += 1
-        records = kept
-    records = records[:limit] if limit else records
-    if not records:
-        raise UserError(f"prompts={path}: no prompts")
-    return records
-
-
-SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")  # the rest is MT-bench
 
 
 # -- setup -------------------------------------------------------------------------------------------------------
@@ -194,13 +127,6 @@ def make_tree(setting: dict, device):
         raise UserError(str(e)) from e
 
 
-def stop_ids(tokenizer, model_config) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    eos = getattr(model_config, "eos_token_id", None)
-    ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    return {i for i in ids if i is not None}
-
-
 # -- the job -----------------------------------------------------------------------------------------------------
 
 def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
@@ -220,9 +146,16 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     head, head_dir = (None, None)
     if cfg.head_path:
         head, head_dir = load_draft_head(cfg.head_path, target, model, dtype)
-    prompts = load_prompts(cfg.prompts, target.tokenizer, cfg.chat_template, cfg.per_category, cfg.limit)
+    prompts = load_prompts(cfg.prompts, target.tokenizer, cfg.chat_template, cfg.per_category, cfg.limit,
+                           cfg.get("split"))
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     setting, choice = drafting(cfg, head, head_dir, model, sampling)
+    if choice is not None:  # a prediction from acceptance.json: say whether these prompts are the text it came from
+        try:
+            choice["prompts_unseen_by_alpha"] = check_unseen(prompts, Path(choice["acceptance_json"]))
+        except UserError as e:  # serving may decode anything; a benchmark (scripts/bench*.py) refuses instead
+            log.warning("%s", e)
+            choice["prompts_unseen_by_alpha"] = "overlap"
     adaptive = None
     if setting.get("adaptive"):
         costs = choice["costs"]
@@ -271,9 +204,9 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
                     "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    (out / "bench.json").write_text(json.dumps(bench, indent=2))
     if adaptive is not None:
         bench["adaptive_rounds"] = {auto.describe(adaptive.settings[i]): n for i, n in sorted(rounds.items())}
+    (out / "bench.json").write_text(json.dumps(bench, indent=2))  # last: the file holds everything returned
     log.info("%d prompts, %d tokens, %.1f tokens/s, tau %.2f, %d target passes -> %s", len(prompts),
              bench["new_tokens"], bench["tokens_per_s"], bench["tau_measured"], bench["target_passes"], out)
     return bench

@@ -5,6 +5,4 @@ masked token sequences, ``distill.py`` lets the target answer prompts itself, ``
 ``acceptance.py`` measures α on held-out data.
 """
 
-
-class UserError(Exception):
-    """A problem with the user's input (config, data, checkpoint): reported as one line that names the fix."""
+from heads.errors import UserError  # noqa: F401  (train's modules raise it as ``from train import UserError``)

@@ -199,6 +199,24 @@ def acceptance_record(head_name: str, target_name: str, data: str, temperature: 
     return record
 
 
+TEST_FIELDS = ("alpha", "alpha_chain", "tau_predicted", "num_tokens", "num_tokens_per_step", "alpha_by_temperature",
+               "tau_predicted_by_temperature", "alpha_by_category", "tau_predicted_by_category",
+               "num_tokens_by_category", "text_by_temperature")
+
+
+def with_test_split(record: dict, measured_test: dict, prompt_keys: dict[str, list[str]]) -> dict:
+    """acceptance.json's top level holds the validation split (what picked the head, what gamma=auto and the
+    benchmarks' predictions read); "test" holds the same figures on the test split, which nothing was chosen or
+    tuned on: the numbers to report. ``prompt_keys``: {split: heads.splits.prompt_key of each held-out prompt}, so
+    a benchmark can refuse prompts the head's α was measured on."""
+    test = acceptance_record(record["head"], record["target"], record["data"], record["temperature"], measured_test,
+                             top_k=record["top_k"], top_p=record["top_p"])
+    record["split"] = "validation"
+    record["test"] = {k: test[k] for k in TEST_FIELDS if k in test}
+    record["heldout_prompt_keys"] = prompt_keys
+    return record
+
+
 def write_json(path: Path, obj: dict) -> None:
     tmp = Path(path).with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=2))
@@ -213,7 +231,9 @@ def plot_alpha(path: Path, record: dict) -> None:
 
     ks = list(range(1, len(record["alpha"]) + 1))
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(ks, record["alpha"], "o-", label="trained")
+    ax.plot(ks, record["alpha"], "o-", label="trained, validation" if "test" in record else "trained")
+    if "test" in record:
+        ax.plot(ks, record["test"]["alpha"], "^-", label="trained, test")
     if "alpha_untrained" in record:
         ax.plot(ks, record["alpha_untrained"], "s--", label="untrained")
     ax.set_xlabel("draft position k")

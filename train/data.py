@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Sampler
 from heads import chat
 from train import UserError
 from train.distill import DistillConfig, answer
+from heads.splits import SPLITS
 from train.records import Record, reference_records, split_records
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Example:
     loss_mask: torch.Tensor  # [T] bool
     hidden: dict[int, torch.Tensor] | None = None  # cached target features k -> [T, H] (cache_features)
     category: str | None = None  # the record's category (Spec-Bench), for α per category
+    split: str | None = None  # held-out examples: "validation" or "test" (heads/splits.py)
 
 
 def _mask_from_trained(trained: list[bool]) -> torch.Tensor:
@@ -108,7 +110,7 @@ def ids_example(prompt_ids: list[int], token_ids: list[int], max_len: int) -> Ex
 
 def tokenize(record: Record, tokenizer, max_len: int) -> Example:
     ex = _tokenize(record, tokenizer, max_len)
-    ex.category = record.category
+    ex.category, ex.split = record.category, record.split
     return ex
 
 
@@ -226,10 +228,12 @@ class DraftDataModule(L.LightningDataModule):
         self.cfg, self.target, self.seed, self.mode = cfg, target, seed, mode
         self.train_examples: list[Example] = []  # train_files' text, then reference_files'
         self.reference_examples: list[Example] = []
-        self.eval_examples: list[Example] = []  # the held-out text of the first evaluation temperature
+        self.eval_examples: list[Example] = []  # the validation text of the first evaluation temperature
         self.eval_sets: dict[float, list[Example]] = {}  # temperature -> the held-out text α at it is measured on
+        # (both splits: the validation half picks the head and feeds predictions, the test half is only reported)
         self.eval_text: dict[float, str] = {}  # temperature -> which text that is (acceptance.json)
         self.feature_cache: dict | None = None  # where the disk feature cache is, its size (features_on_disk)
+        self.heldout_keys: dict[str, list[str]] = {}  # split -> the held-out prompts' keys (acceptance.json)
 
     def prepare(self, layers=(), eval_temperatures=(0.0,), eval_top_p: float = 1.0) -> None:
         """Read, split, self-distil and tokenise. ``layers``: keep these target features while generating.
@@ -248,6 +252,7 @@ class DraftDataModule(L.LightningDataModule):
                                        c.max_eval_records, self.seed)
         if self.mode == "eval":
             train = []
+        self.heldout_keys = {split: [r.key() for r in heldout if r.split == split] for split in SPLITS}
         self.train_examples = self._examples("train", train, c.distill, layers)
         if c.reference_files and self.mode == "train":  # the same held-out exclusion as train_files
             reference = reference_records(c.reference_files, heldout, c.max_reference_records, self.seed)
@@ -263,14 +268,18 @@ class DraftDataModule(L.LightningDataModule):
             if len(heldout) > answered:
                 parts.append(f"dataset text of {len(heldout) - answered} held-out records")
             self.eval_text[t] = "; ".join(parts)
-        self.eval_examples = next(iter(self.eval_sets.values()), [])
+        main = next(iter(self.eval_sets.values()), [])
+        self.eval_examples = [ex for ex in main if ex.split == "validation"]
         if self.mode == "train" and not self.train_examples:
             raise UserError("no training data; set data.train_files")
-        if not self.eval_examples:
-            raise UserError("no held-out data; set data.eval_files or data.heldout_fraction > 0")
-        log.info("data %s: %d train sequences (%d trained tokens; %d of them reference answers), %d held-out "
-                 "(%d tokens)", c.name, len(self.train_examples), self.num_tokens(self.train_examples),
-                 len(self.reference_examples), len(self.eval_examples), self.num_tokens(self.eval_examples))
+        if not self.eval_examples or len(self.eval_examples) == len(main):
+            raise UserError(f"{len(main)} held-out sequences make no validation and test split (at least 2 per "
+                            "category are needed); set data.eval_files or raise data.heldout_fraction")
+        test = [ex for ex in main if ex.split == "test"]
+        log.info("data %s: %d train sequences (%d trained tokens; %d of them reference answers), held out %d "
+                 "validation (%d tokens) and %d test (%d tokens)", c.name, len(self.train_examples),
+                 self.num_tokens(self.train_examples), len(self.reference_examples), len(self.eval_examples),
+                 self.num_tokens(self.eval_examples), len(test), self.num_tokens(test))
 
     def _examples(self, split: str, records: list[Record], sampling, layers=(), respond: str | None = None
                   ) -> list[Example]:
@@ -363,10 +372,12 @@ class DraftDataModule(L.LightningDataModule):
         return self._loader(examples, LengthGroupedBatches(lengths, self.cfg.eval_batch_size, shuffle=False,
                                                            drop_last=False))
 
-    def eval_loaders(self) -> dict[float, dict]:
-        """{temperature: {category: loader}} over each temperature's own held-out text (acceptance.measure_sets)."""
+    def eval_loaders(self, split: str = "validation") -> dict[float, dict]:
+        """{temperature: {category: loader}} over each temperature's own held-out text of one split
+        (acceptance.measure_sets)."""
         sets = {}
         for t, examples in self.eval_sets.items():
+            examples = [ex for ex in examples if ex.split == split]
             categories = sorted({ex.category for ex in examples}, key=str)
             sets[t] = {cat: self.eval_loader([ex for ex in examples if ex.category == cat]) for cat in categories}
         return sets

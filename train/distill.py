@@ -218,5 +218,5 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
                 f.write(json.dumps(row) + "\n")
         tmp.replace(path)  # atomic: a killed run leaves no half-written cache
     for r, src in zip(answered, pending):  # the cache file keeps only the text
-        r.category = src.category
+        r.category, r.split = src.category, src.split
     return [r for i, r in enumerate(todo) if i not in pending_idx] + answered

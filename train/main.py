@@ -168,12 +168,13 @@ def eval_temperatures(cfg: DictConfig) -> list[float]:
 
 def data_description(cfg, data) -> dict:
     heldout = list(cfg.eval_files) or [f"held-out {cfg.heldout_fraction:.0%} of {list(cfg.train_files)}"]
-    return {"config": cfg.name, "files": heldout, "sequences": len(data.eval_examples)}
+    return {"config": cfg.name, "files": heldout, "sequences": len(data.eval_examples),
+            "split": "heads/splits.py: within each category in file order, even ranks validation, odd ranks test"}
 
 
 def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     """mode=eval: α of a saved head on held-out files, written to OUT/acceptance.json."""
-    from train.acceptance import acceptance_record, measure_sets, write_json
+    from train.acceptance import acceptance_record, measure_sets, with_test_split, write_json
     from train.data import DataConfig, DraftDataModule
 
     if not cfg.get("head_path"):
@@ -188,9 +189,11 @@ def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
     data = DraftDataModule(dcfg, target, cfg.seed, mode="eval")
     e, temps = cfg.eval, eval_temperatures(cfg)
     prepare_data(data, (), temps, e.top_p)
-    measured = measure_sets({"head": head}, target, data.eval_loaders(), e.top_k, e.top_p)
+    measured = measure_sets({"head": head}, target, data.eval_loaders("validation"), e.top_k, e.top_p)
     record = acceptance_record(config["family"], target.name, data_description(dcfg, data), temps[0],
                                measured["head"], top_k=e.top_k, top_p=e.top_p, texts=data.eval_text)
+    tested = measure_sets({"head": head}, target, data.eval_loaders("test"), e.top_k, e.top_p)
+    with_test_split(record, tested["head"], data.heldout_keys)
     record["head_path"] = str(cfg.head_path)
     write_json(out / "acceptance.json", record)
     return record
@@ -210,7 +213,7 @@ def train(cfg: DictConfig) -> dict:
     """Run the job described by ``cfg``; returns the acceptance record (also written to OUT/acceptance.json)."""
     import lightning as L
 
-    from train.acceptance import acceptance_record, measure_sets, plot_alpha, write_json
+    from train.acceptance import acceptance_record, measure_sets, plot_alpha, with_test_split, write_json
     from train.data import DataConfig, DraftDataModule
     from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
     from train.selection import BEST_BY, BestHead, final_choice
@@ -271,11 +274,13 @@ def train(cfg: DictConfig) -> dict:
     if best is not None and best[1]["step"] != step:  # the best mid-run check's head, measured beside the last
         best[0].attach_target(target.embed_tokens, target.lm_head, target.final_norm)
         heads["best"] = best[0]
-    measured = measure_sets(heads, target, data.eval_loaders(), ecfg.top_k, ecfg.top_p)
-    chosen = final_choice(measured, T, ecfg.best_by)
+    measured = measure_sets(heads, target, data.eval_loaders("validation"), ecfg.top_k, ecfg.top_p)
+    chosen = final_choice(measured, T, ecfg.best_by)  # on validation: the test split below never picks anything
     head_step = best[1]["step"] if chosen == "best" else step
     record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), T, measured[chosen],
                                measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
+    tested = measure_sets({chosen: heads[chosen]}, target, data.eval_loaders("test"), ecfg.top_k, ecfg.top_p)
+    with_test_split(record, tested[chosen], data.heldout_keys)
     record.update(train_steps=step, head_step=head_step, selected_by=ecfg.best_by, alpha_last=measured["last"][T]["alpha"],
                   tau_predicted_last=measured["last"][T]["tau_predicted"], heldout_checks=keeper.state["history"])
     record["trained_tokens"] = module.trained_tokens  # this process's share, this run (not before a resume)
@@ -304,18 +309,25 @@ def report(record: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    test = record.get("test")
     table = Table(title=f"α per draft position: {record['head']} on {record['target']}, temperature "
-                        f"{record['temperature']}, {record['num_tokens']} held-out tokens")
+                        f"{record['temperature']}, {record['num_tokens']} validation tokens"
+                        + (f", {test['num_tokens']} test tokens" if test else ""))
     table.add_column("k", justify="right")
-    table.add_column("trained α", justify="right")
+    table.add_column("α test" if test else "trained α", justify="right")
+    table.add_column("τ test (γ=k)" if test else "τ predicted (γ=k)", justify="right")
+    if test:
+        table.add_column("α validation", justify="right")
     if "alpha_untrained" in record:
         table.add_column("untrained α", justify="right")
-    table.add_column("τ predicted (γ=k)", justify="right")
     for k, a in enumerate(record["alpha"], start=1):
-        row = [str(k), f"{a:.3f}"]
+        shown = test or record  # the test split is the figure to quote; validation picked the head
+        row = [str(k), f"{shown['alpha'][k - 1]:.3f}", f"{shown['tau_predicted'][k]:.2f}"]
+        if test:
+            row.append(f"{a:.3f}")
         if "alpha_untrained" in record:
             row.append(f"{record['alpha_untrained'][k - 1]:.3f}")
-        table.add_row(*row, f"{record['tau_predicted'][k]:.2f}")
+        table.add_row(*row)
     Console().print(table)
 
 

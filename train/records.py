@@ -21,6 +21,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from heads.splits import SPLITS, assign_splits, prompt_key
 from train import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,7 @@ class Record:
     token_ids: list[int] | None = None
     where: str = ""  # "file:line" for error messages
     category: str | None = None  # e.g. Spec-Bench's "category": α is also reported per category
+    split: str | None = None  # held-out records: "validation" (tuned on) or "test" (reported; heads/splits.py)
     features: dict | None = None  # target hidden states k -> [T, H] kept from generation (never saved)
 
     @property
@@ -48,8 +50,11 @@ class Record:
 
     def key(self) -> str:
         """Content hash of the *prompt*, so a held-out prompt is recognised in training data whatever its answer."""
-        if self.messages is not None:
-            body = json.dumps([m["content"] for m in self.messages if m["role"] != "assistant"][:1])
+        if self.messages is not None:  # the first non-assistant turn, as serve/ keys its prompts
+            first = [m["content"] for m in self.messages if m["role"] != "assistant"][:1]
+            if first:
+                return prompt_key(first[0])
+            body = json.dumps(first)
         elif self.prompt_ids is not None:
             body = json.dumps(self.prompt_ids)
         else:
@@ -185,7 +190,9 @@ def in_heldout(record: Record, fraction: float) -> bool:
 
 def split_records(train_files, eval_files, heldout_fraction: float, max_train: int | None, max_eval: int | None,
                   seed: int) -> tuple[list[Record], list[Record]]:
-    """(train, held-out) records. Held-out = eval_files, or a hashed slice of train_files; never trained on."""
+    """(train, held-out) records. Held-out = eval_files, or a hashed slice of train_files; never trained on. Each
+    held-out record gets its ``split`` (heads/splits.py), assigned on the whole held-out list before ``max_eval``
+    caps each split alone (round-robin over categories, so every category is represented in both)."""
     train = read_sources(train_files)
     if eval_files:
         heldout = read_sources(eval_files)
@@ -194,16 +201,23 @@ def split_records(train_files, eval_files, heldout_fraction: float, max_train: i
     else:
         heldout = [r for r in train if in_heldout(r, heldout_fraction)]
         train = [r for r in train if not in_heldout(r, heldout_fraction)]
+    for record, split in zip(heldout, assign_splits(r.category for r in heldout)):
+        record.split = split
     rng = random.Random(seed)  # subsample deterministically: the same subset on every rank and every resume
     if max_train is not None and len(train) > max_train:
         train = rng.sample(train, max_train)
-    if max_eval is not None and len(heldout) > max_eval:  # round-robin over categories: every one represented
-        seen: dict = {}
-        rank = [seen.setdefault(r.category, []).append(r) or len(seen[r.category]) for r in heldout]
-        heldout = [r for _, _, r in sorted(zip(rank, range(len(heldout)), heldout))][:max_eval]
+    if max_eval is not None:
+        heldout = [r for split in SPLITS for r in round_robin([r for r in heldout if r.split == split], max_eval)]
     overlap = {r.key() for r in train} & {r.key() for r in heldout}
     assert not overlap, f"{len(overlap)} held-out prompts are also training prompts"
     return train, heldout
+
+
+def round_robin(records: list[Record], limit: int) -> list[Record]:
+    """The first ``limit`` records taking one of each category in turn, in file order within a category."""
+    seen: dict = {}
+    rank = [seen.setdefault(r.category, []).append(r) or len(seen[r.category]) for r in records]
+    return [r for _, _, r in sorted(zip(rank, range(len(records)), records))][:limit]
 
 
 def reference_records(files, heldout: list[Record], max_records: int | None, seed: int) -> list[Record]:

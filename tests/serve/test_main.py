@@ -12,7 +12,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from heads.checkpoint import save_head
-from serve.main import UserError, load_prompts, serve
+from serve.main import UserError, serve
+from serve.prompts import load_prompts
 from tests.serve.conftest import perturbed_head, runner_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,6 +109,8 @@ def test_gamma_adaptive_matches_vanilla(files, tmp_path):
     assert trees["settings"]["tree"] == "dynamic" and trees["auto"]["alpha_source"].startswith("product")
     assert any(s.get("tree") == "dynamic" for s in trees["auto"]["settings"])
     assert sum(trees["adaptive_rounds"].values()) == trees["target_passes"]
+    written = json.loads((tmp_path / "trees" / "bench.json").read_text())  # the file, not only the returned dict
+    assert written["adaptive_rounds"] == trees["adaptive_rounds"]
     assert read(tmp_path / "trees") == read(tmp_path / "vanilla")
 
 
@@ -159,7 +162,7 @@ def test_spec_bench_subset(tiny_target):
 def run_bench_adaptive(files, out, *args) -> dict:
     """scripts/bench_adaptive.py on the tiny target's EAGLE head, 3 prompts, one rep; its adaptive.json."""
     cmd = [sys.executable, "scripts/bench_adaptive.py", "--target", "tiny-random", "--heads", str(files / "eagle"),
-           "--prompts", str(files / "prompts.jsonl"), "--limit", "3", "--reps", "1", "--threads", "1",
+           "--prompts", str(files / "prompts.jsonl"), "--split", "all", "--limit", "3", "--reps", "1", "--threads", "1",
            "--out", str(out), *args]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True)
     return json.loads((out / "adaptive.json").read_text())

@@ -1,0 +1,68 @@
+"""The held-out validation/test split (heads/splits.py): the same in train/ and serve/, and the kept head is chosen
+on validation before the test split is measured."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+import train.data
+import train.selection
+from heads.splits import assign_splits
+from tests.conftest import require_shared
+from train.main import train as run_train
+from train.records import split_records
+
+
+def test_assign_splits_halves_every_category_in_file_order():
+    cats = ["a", "b", "a", None, "a", "b", None, "a", "c"]
+    splits = assign_splits(cats)
+    assert splits == ["validation", "validation", "test", "validation", "validation", "test", "test", "test",
+                      "validation"]
+    for c in set(cats):
+        n = Counter(s for s, x in zip(splits, cats) if x == c)
+        assert abs(n["validation"] - n["test"]) <= 1
+
+
+@pytest.mark.shared
+def test_spec_bench_splits_agree_between_train_and_serve(tiny_target):
+    from serve.prompts import load_prompts
+
+    path = str(require_shared("data", "eval", "spec_bench", "question.jsonl"))
+    _, heldout = split_records([], [path], 0.0, None, 52, 0)
+    by_split = {s: [r for r in heldout if r.split == s] for s in ("validation", "test")}
+    assert [len(v) for v in by_split.values()] == [52, 52]
+    for records in by_split.values():  # 13 categories, 4 each: the round-robin ran inside each split
+        assert set(Counter(r.category for r in records).values()) == {4}
+    keys = {s: {r.key() for r in v} for s, v in by_split.items()}
+    assert not keys["validation"] & keys["test"]
+    served = {p["key"] for p in load_prompts(path, tiny_target.tokenizer, split="test")}
+    assert len(served) == 240 and keys["test"] <= served and not keys["validation"] & served
+
+
+def test_head_is_chosen_on_validation_and_reported_on_test(fast_cfg, tmp_path, monkeypatch):
+    """The order of events: validation measured, the head chosen, only then the test split measured; acceptance.json
+    holds both, on disjoint prompts."""
+    events = []
+    loaders, choice = train.data.DraftDataModule.eval_loaders, train.selection.final_choice
+
+    def spy_loaders(self, split="validation"):
+        events.append(split)
+        return loaders(self, split)
+
+    def spy_choice(*args, **kwargs):
+        events.append("choice")
+        return choice(*args, **kwargs)
+
+    monkeypatch.setattr(train.data.DraftDataModule, "eval_loaders", spy_loaders)
+    monkeypatch.setattr(train.selection, "final_choice", spy_choice)
+    out = tmp_path / "run"
+    record = run_train(fast_cfg("head=eagle", "trainer.val_check_interval=2", out=out))
+    assert events == ["validation", "choice", "test"]
+    saved = json.loads((out / "acceptance.json").read_text())
+    assert saved["split"] == "validation" and saved["test"]["num_tokens"] > 0
+    assert len(saved["test"]["alpha"]) == len(saved["alpha"]) == len(record["test"]["alpha"])
+    keys = saved["heldout_prompt_keys"]
+    assert keys["validation"] and keys["test"] and not set(keys["validation"]) & set(keys["test"])
+    assert saved["test"]["num_tokens"] != saved["num_tokens"]  # other text, not the validation figures copied
