@@ -6,11 +6,13 @@ vanilla, and this runner with each head (chain, tree where the family has one, a
     python scripts/bench.py --heads runs/eagle3 --gamma 3 --baselines hf_generate   # one chain: bench_engines.py's row
 
 Every method decodes the same Spec-Bench subset (--per-task prompts from each of its six tasks, first turn,
-chat-templated), interleaved prompt by prompt so load on the machine hits all methods alike. γ and tree sizes come
-from serve/auto.py (the head's acceptance.json α and the costs r(n), c measured here). Reported per method:
-tokens/s, ratio to HF generate and to the runner's vanilla loop, τ measured, τ predicted from acceptance.json's α,
-and the predicted-bound efficiency = measured speedup over vanilla ÷ (τ from the run's own acceptance per position
-÷ (r(n) + calls·c)). Writes OUT/bench.json, OUT/bench.md (with date and machine) and OUT/bench.png.
+chat-templated) from the test split (heads/splits.py), interleaved prompt by prompt so load on the machine hits all
+methods alike; a head whose acceptance.json α was measured on any of these prompts is refused. γ and tree sizes
+come from serve/auto.py (the head's acceptance.json α and the costs r(n), c measured here). Reported per method:
+tokens/s, ratio to HF generate and to the runner's vanilla loop, τ measured, and τ and speedup predicted before the
+run from acceptance.json alone (serve/auto.py's chain walk or tree model, with the costs measured here), so that
+prediction and measurement are independent. Writes OUT/bench.json, OUT/bench.md (with date and machine) and
+OUT/bench.png.
 Missing heads can be trained first (--train FAMILY...: runs train/main.py as a subprocess).
 """
 from __future__ import annotations
@@ -28,12 +30,13 @@ import torch
 
 from heads import build_head
 from heads.checkpoint import check_target, load_head
-from heads.losses import tau_predicted
+from heads.errors import UserError
 from heads.target import load_target, shared_dir
 from serve import auto
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
-from serve.main import load_prompts, make_tree, ready_to_draft, stop_ids
+from serve.main import make_tree, ready_to_draft
+from serve.prompts import check_unseen, load_prompts, stop_ids
 from serve.model import Transformer
 from serve.tree import MEDUSA_TREE
 
@@ -50,6 +53,8 @@ def parse_args():
     p.add_argument("--train", nargs="*", default=[], help="families to train first with train/main.py")
     p.add_argument("--train-overrides", nargs="*", default=[], help="extra train/main.py overrides")
     p.add_argument("--prompts", default=str(shared_dir() / "data/eval/spec_bench/question.jsonl"))
+    p.add_argument("--split", default="test", choices=["test", "validation", "all"],
+                   help="which half of the prompts (heads/splits.py); the heads' α must not come from it")
     p.add_argument("--per-task", type=int, default=4)
     p.add_argument("--limit", type=int, default=None, help="at most N prompts in all")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -107,11 +112,12 @@ def load_heads(args, dirs, target, model) -> list[dict]:
     return heads
 
 
-def alphas_for(h, temperature):
+def alphas_for(h, temperature) -> dict | None:
+    """serve.auto.read_acceptance's record for this head at T (chain figures if any), or None without one."""
     if h["dir"] is None:
         return None
     try:
-        return auto.read_acceptance(auto.find_acceptance(h["dir"]), temperature)["alpha"]  # chain figures if any
+        return auto.read_acceptance(auto.find_acceptance(h["dir"]), temperature)
     except (FileNotFoundError, ValueError):
         return None
 
@@ -141,14 +147,11 @@ def settings_for(h, alphas, costs, fixed_gamma=None) -> list[dict]:
     return out + [{"adaptive": True}] + ([{"adaptive": True, "tree": tree}] if tree else [])
 
 
-def predicted(s, rates, costs) -> dict:
-    """τ and speedup predicted from per-position acceptance ``rates`` (chain formula) and the measured costs."""
-    depth = s.get("gamma") or s["tree_depth"]
-    rates = [r if r is not None else 0.0 for r in rates[:depth]] + [0.0] * max(0, depth - len(rates))
-    tau = tau_predicted(rates)[depth]
-    n = s["gamma"] + 1 if "gamma" in s else s["tree_total_tokens"] + 1
-    cost = auto.interpolate(costs["r"], n) + depth * costs["c"]
-    return {"tau": tau, "speedup": tau / cost}
+def predicted(s, read: dict, costs) -> dict:
+    """τ and speedup over vanilla predicted from acceptance.json alone (``read``: auto.read_acceptance) and the
+    costs measured before decoding: serve/auto.py's chain walk for chains, its tree model for trees."""
+    pred = auto.predict(s, read["alpha"], costs["r"], costs["c"], read["tau_chain"], ranks=read["ranks"])
+    return {"tau": pred["tau_predicted"], "speedup": pred["speedup_predicted"]}
 
 
 def hf_runner(target, kind, args, stops):
@@ -210,7 +213,10 @@ def main():
     if args.compile:
         model.compile()
     heads = load_heads(args, head_dirs, target, model)
-    prompts = load_prompts(args.prompts, target.tokenizer, per_category=args.per_task, limit=args.limit)
+    prompts = load_prompts(args.prompts, target.tokenizer, per_category=args.per_task, limit=args.limit,
+                           split=None if args.split == "all" else args.split)
+    for h in heads:  # refuse prompts a head's α was measured on: its prediction would agree by construction
+        h["prompts_unseen_by_alpha"] = check_unseen(prompts, auto.find_acceptance(h["dir"])) if h["dir"] else None
     stops = stop_ids(target.tokenizer, target.model.config)
 
     sizes = [1, 2, 4, 17] if args.quick else sorted(set(range(1, 10)) | {17, 25, 33, 49, 65})
@@ -223,11 +229,12 @@ def main():
         methods = {k: {"run": hf_runner(target, k, args, stops)} for k in args.baselines}
         methods["vanilla"] = {"run": our_runner(model, None, {"gamma": 0}, stops, args.max_new_tokens)}
         for h in heads:
-            alphas = alphas_for(h, T)
+            read = alphas_for(h, T)
+            alphas = read["alpha"] if read else None
             for s in settings_for(h, alphas, h["costs"], args.gamma):
                 name = f"{h['label']}: {auto.describe(s)}"
                 methods[name] = {"run": our_runner(model, h["head"], s, stops, args.max_new_tokens, alphas,
-                                                   h["costs"]), "setting": s, "head": h, "alphas": alphas}
+                                                   h["costs"]), "setting": s, "head": h, "read": read}
         for m in methods.values():  # warm-up, untimed (compiled: the decode passes compile here)
             m.update(tokens=0, seconds=0.0, stats=Stats())
             m["run"](torch.tensor(prompts[0]["prompt_ids"][:32], device=device), T, 0)
@@ -246,6 +253,8 @@ def main():
         results[T] = summarise(methods)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "command": " ".join(sys.argv), "target": args.target, "compiled": args.compile, "prompts": len(prompts),
+              "split": args.split, "question_ids": [p["question_id"] for p in prompts],
+              "prompts_unseen_by_alpha": {h["label"]: h["prompts_unseen_by_alpha"] for h in heads},
               "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
               "costs": {h["label"]: h["costs"] for h in heads},
               "results": {str(T): rows for T, rows in results.items()}}
@@ -267,14 +276,13 @@ def summarise(methods) -> list[dict]:
                        rounds_per_gamma=summary["rounds_per_draft_depth"])
         elif "setting" in m:
             s, summary = m["setting"], m["stats"].summary()
-            rates = summary["accept_rate_per_position"]
-            pred = predicted(s, rates, m["head"]["costs"])
             row.update(setting={k: v for k, v in s.items() if k != "tree_paths"},
-                       tau_measured=summary["tau_measured"], accept_rate_per_position=rates,
-                       tau_predicted_from_alpha=predicted(s, m["alphas"], m["head"]["costs"])["tau"]
-                       if m["alphas"] else None,
-                       tau_predicted_from_measured=pred["tau"], speedup_predicted=pred["speedup"],
-                       efficiency=row["x_vanilla"] / pred["speedup"])
+                       tau_measured=summary["tau_measured"],
+                       accept_rate_per_position=summary["accept_rate_per_position"])
+            if m["read"]:  # predicted before the run, from acceptance.json (other text) and the measured costs
+                pred = predicted(s, m["read"], m["head"]["costs"])
+                row.update(tau_predicted_from_alpha=pred["tau"], speedup_predicted_from_alpha=pred["speedup"],
+                           measured_over_predicted=row["x_vanilla"] / pred["speedup"])
         elif name == "vanilla":
             row["tau_measured"] = 1.0
         rows.append(row)
@@ -293,16 +301,17 @@ def markdown(report) -> str:
     for T, rows in report["results"].items():
         lines += [f"## temperature {T}", "",
                   "| method | tokens/s | × HF generate | × vanilla | τ measured | τ predicted (α) | "
-                  "predicted × | efficiency |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "× vanilla predicted (α) | measured ÷ predicted |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['x_hf_generate']:.2f} | "
                          f"{r['x_vanilla']:.2f} | {fmt(r.get('tau_measured'), '.2f')} | "
                          f"{fmt(r.get('tau_predicted_from_alpha'), '.2f')} | "
-                         f"{fmt(r.get('speedup_predicted'), '.2f')} | {fmt(r.get('efficiency'), '.0%')} |")
+                         f"{fmt(r.get('speedup_predicted_from_alpha'), '.2f')} | "
+                         f"{fmt(r.get('measured_over_predicted'), '.0%')} |")
         lines.append("")
-    lines += ["τ predicted (α): from the head's acceptance.json. predicted ×: speedup over vanilla predicted from this "
-              "run's own acceptance per position and the measured r(n), c; efficiency = measured × vanilla ÷ "
-              "predicted ×.", ""]
+    lines += [f"Prompts: the {report['split']} split (heads/splits.py). τ and × vanilla predicted (α): before the "
+              "run, from the head's acceptance.json (α measured on its validation prompts, none of which is decoded "
+              "here) and the r(n), c measured here, by serve/auto.py's chain walk or tree model.", ""]
     return "\n".join(lines)
 
 
@@ -340,4 +349,8 @@ def plot(report, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # bad input (prompts, a head's α text overlapping them): one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

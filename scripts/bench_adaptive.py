@@ -25,11 +25,13 @@ from pathlib import Path
 
 import torch
 
+from heads.errors import UserError
 from heads.target import load_target, shared_dir
 from serve import auto, calibrate
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
-from serve.main import load_draft_head, load_prompts, stop_ids
+from serve.main import load_draft_head
+from serve.prompts import check_unseen, load_prompts, stop_ids
 from serve.model import Transformer
 from serve.tree import build_tree
 
@@ -43,6 +45,8 @@ def parse_args():
     p.add_argument("--prompts", default=str(shared_dir() / "data/eval/spec_bench/question.jsonl"))
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--per-task", type=int, default=None, help="at most N prompts per Spec-Bench task")
+    p.add_argument("--split", default="test", choices=["test", "validation", "all"],
+                   help="which half of the prompts (heads/splits.py): α and calibration use validation")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -195,12 +199,14 @@ def main():
     model = Transformer.from_hf(target.model)
     if args.compile:
         model.compile()
-    prompts = load_prompts(args.prompts, target.tokenizer, args.chat_template, args.per_task, args.limit)
-    prompts = [torch.tensor(p["prompt_ids"], device=device) for p in prompts]
+    prompts = load_prompts(args.prompts, target.tokenizer, args.chat_template, args.per_task, args.limit,
+                           None if args.split == "all" else args.split)
+    records, prompts = prompts, [torch.tensor(p["prompt_ids"], device=device) for p in prompts]
     stops = () if args.ignore_eos else stop_ids(target.tokenizer, target.model.config)
     results = []
     for d in args.heads:
         head, head_dir = load_draft_head(d, target, model, model.dtype)
+        check_unseen(records, auto.find_acceptance(head_dir))  # its α must come from other prompts than these
         for T in args.temperatures:
             results.append(run_head(model, head, head_dir, prompts, stops, args, T))
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
@@ -219,4 +225,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # bad input (prompts, a head's α text overlapping them): one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

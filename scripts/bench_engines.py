@@ -49,6 +49,8 @@ def parse_args():
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--prompts", default=None, help="default: ../shared/data/eval/spec_bench/question.jsonl")
     p.add_argument("--per-task", type=int, default=2)
+    p.add_argument("--split", default="test", choices=["test", "validation", "all"],
+                   help="which half of the prompts (heads/splits.py): α and calibration use validation")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -277,7 +279,7 @@ def vllm_rows(args, prompts, out: Path) -> list[dict]:
 
 def serve_rows(args, out: Path) -> list[dict]:
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--target", args.target, "--prompts", args.prompts,
-           "--heads", *map(str, args.heads.values()), "--per-task", str(args.per_task),
+           "--heads", *map(str, args.heads.values()), "--per-task", str(args.per_task), "--split", args.split,
            "--max-new-tokens", str(args.max_new_tokens), "--temperatures", *map(str, args.temperatures),
            "--threads", str(args.threads), "--gamma", str(args.num_speculative_tokens), "--baselines", "hf_generate",
            "--out", str(out / "serve")]
@@ -330,13 +332,14 @@ def main():
     from transformers import AutoTokenizer
 
     from heads.target import resolve_path, shared_dir
-    from serve.main import load_prompts
+    from serve.prompts import load_prompts
 
     torch.set_num_threads(args.threads)  # the exports' validation forward runs here
     args.prompts = args.prompts or str(shared_dir() / "data/eval/spec_bench/question.jsonl")
     args.target_dir = resolve_path(args.target, None)
     tokenizer = AutoTokenizer.from_pretrained(args.target_dir)
-    prompts = load_prompts(args.prompts, tokenizer, per_category=args.per_task, limit=args.limit)
+    prompts = load_prompts(args.prompts, tokenizer, per_category=args.per_task, limit=args.limit,
+                           split=None if args.split == "all" else args.split)
     for p in prompts:  # llama.cpp takes text: the chat-templated prompt as our tokenizer reads it
         p["text"] = tokenizer.decode(p["prompt_ids"])
     args.max_model_len = max(len(p["prompt_ids"]) for p in prompts) + args.max_new_tokens + 64
