@@ -28,12 +28,9 @@ import torch
 
 from export import reference, vllm
 from export.common import ExportContext, ExportRefused, Written, engine_aux, llama_config, reduced_vocab, vocab_maps
+from heads.layouts import safeailab_aux  # the layout's rules, shared with the importer (init_from=DIR)
 
 FAMILIES = ("eagle", "eagle3")
-
-
-def safeailab_aux(L: int) -> list[int]:
-    return sorted({2, L // 2, L - 3})
 
 
 def refuse_unsupported(ctx: ExportContext) -> None:

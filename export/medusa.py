@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from export import reference
 from export.common import ExportContext, ExportRefused, Written
+from heads.layouts import medusa_key_map  # shared with the importer (init_from=DIR)
 
 FAMILIES = ("medusa",)
 CLIENT_HEADS = 5  # medusa_model.py, MedusaModelABC.from_pretrained: base_model_config.medusa_num_heads = 5
@@ -44,12 +45,9 @@ def write(ctx: ExportContext) -> Written:
         raise ExportRefused(f"FasterDecoding's MedusaModel.from_pretrained always builds {CLIENT_HEADS} heads; this "
                             f"head has {K}, so the client would {fate}; train with "
                             f"head.hparams.num_steps={CLIENT_HEADS} (the default) or use format=vllm")
-    tensors = {}
-    for h in range(K):
-        tensors[f"{h}.0.linear.weight"] = state[f"blocks.{h}.layers.0.weight"]
-        bias = state.get(f"blocks.{h}.layers.0.bias")
-        tensors[f"{h}.0.linear.bias"] = bias if bias is not None else torch.zeros(H, dtype=ctx.dtype)
-        tensors[f"{h}.1.weight"] = state[f"lm_heads.{h}.weight"]
+    # ResBlock's Linear always has a bias: a bias-free head's is zero (one tensor each: safetensors refuses shared ones)
+    tensors = {theirs: state[native] if native in state else torch.zeros(H, dtype=ctx.dtype)
+               for native, theirs in medusa_key_map(K, 1).items()}
     config = {"medusa_num_heads": K, "medusa_num_layers": 1, "base_model_name_or_path": ctx.target_path,
               "hidden_size": H, "vocab_size": ctx.dims.vocab_size, "medusa_fc_bias": True,
               "torch_dtype": str(ctx.dtype).removeprefix("torch.")}
@@ -65,13 +63,9 @@ def required(ctx: ExportContext) -> dict:
 def expected(cfg: dict, family: str) -> dict:
     """The client's parameter set: CLIENT_HEADS heads, whatever config.json says (see above)."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
-    out = {}
-    for h in range(CLIENT_HEADS):
-        for layer in range(cfg["medusa_num_layers"]):
-            out[f"{h}.{layer}.linear.weight"] = ((H, H), None)
-            out[f"{h}.{layer}.linear.bias"] = ((H,), None)
-        out[f"{h}.{cfg['medusa_num_layers']}.weight"] = ((V, H), None)
-    return out
+    shape = {"weight": (H, H), "bias": (H,)}
+    return {theirs: ((V, H) if native.startswith("lm_heads.") else shape[native.rsplit(".", 1)[1]], None)
+            for native, theirs in medusa_key_map(CLIENT_HEADS, cfg["medusa_num_layers"]).items()}
 
 
 def reference_logits(cfg: dict, tensors: dict, family: str, target, feats, K: int):

@@ -245,6 +245,13 @@ def train(cfg: DictConfig) -> dict:
     data = DraftDataModule(dcfg, target, cfg.seed)
     prepare_data(data, head.feature_layers, eval_temperatures(cfg), cfg.eval.top_p)
     init_head(head, data.token_counts())
+    if cfg.get("init_from"):  # fine-tune a saved head: native, SafeAILab EAGLE or FasterDecoding Medusa layout
+        from heads.layouts import read_state
+
+        try:
+            head.load_state_dict(read_state(cfg.init_from, head, target.identity()))
+        except (OSError, ValueError) as e:
+            raise UserError(f"init_from={cfg.init_from}: {e}") from e
     if dcfg.cache_features:
         data.cache_features(head.feature_layers)
     log.info("data ready in %.0f s", time.perf_counter() - t0)
