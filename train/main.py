@@ -290,6 +290,10 @@ def train(cfg: DictConfig) -> dict:
     with_test_split(record, tested[chosen], data.heldout_keys)
     record.update(train_steps=step, head_step=head_step, selected_by=ecfg.best_by, alpha_last=measured["last"][T]["alpha"],
                   tau_predicted_last=measured["last"][T]["tau_predicted"], heldout_checks=keeper.state["history"])
+    check = next((c for c in keeper.state["history"] if c["step"] == head_step), None)
+    if check is not None:  # the kept head checked mid-run (from cached features: bf16 with features_on_disk) against
+        # its final α here (the target's own pass, in its dtype): how far a mid-run α may be off
+        record["midrun_alpha_gap"] = [float(a - c) for a, c in zip(record["alpha"], check["alpha"])]
     record["trained_tokens"] = module.trained_tokens  # this process's share, this run (not before a resume)
     record["trained_tokens_total"] = module.tokens_total  # every rank, since step 0
     record["trained_tokens_per_s"] = round(module.trained_tokens / max(module.train_seconds, 1e-9), 1)

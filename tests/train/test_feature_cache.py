@@ -113,3 +113,18 @@ def test_grown_data_links_the_shards_an_earlier_cache_holds(tiny_target, tmp_pat
     assert (again["shards_built"], again["shards_reused"]) == (0, 1)
     Path(info["dir"], "shard-00002.npy").write_bytes(b"half")  # a corrupt shard is rebuilt, never linked elsewhere
     assert attach(tiny_target, fresh(), [1, 2], 64, shard_size=2)["shards_built"] == 1
+
+
+def test_midrun_alpha_gap_is_the_bf16_disk_features_alone(fast_cfg, tmp_path):
+    """Mid-run checks read the cached features (bf16 on disk); the final α runs the target. acceptance.json gives
+    the kept head's difference between the two: zero with fp32 features in memory, small but recorded on disk."""
+    common = ("head=eagle3", "head.hparams.num_steps=3", "logger=none", "trainer.max_steps=8",
+              "trainer.val_check_interval=8", "data.cache_features=true", "seed=3")
+    disk = train(fast_cfg(*common, "data.features_on_disk=true", f"data.feature_dir={tmp_path / 'feats'}",
+                          out=tmp_path / "disk"))
+    memory = train(fast_cfg(*common, "data.features_on_disk=false", out=tmp_path / "memory"))
+    for record in (disk, memory):
+        (check,) = [c for c in record["heldout_checks"] if c["step"] == record["head_step"]]
+        assert record["midrun_alpha_gap"] == pytest.approx([a - c for a, c in zip(record["alpha"], check["alpha"])])
+    assert memory["midrun_alpha_gap"] == pytest.approx([0.0] * 3, abs=1e-9)
+    assert max(map(abs, disk["midrun_alpha_gap"])) < 0.05, disk["midrun_alpha_gap"]
