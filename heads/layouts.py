@@ -145,7 +145,8 @@ def eagle_state(path: Path, config: dict, head: DraftHead):
     ids = config.get("eagle_aux_hidden_state_layer_ids") or safeailab_aux(L)
     if len(ids) != 3:
         raise ValueError(f"{path} is read as SafeAILab's code reads it, tapping layers (2, L//2, L-3) = "
-                         f"{[2, L // 2, L - 3]} of this {L}-layer target, which repeat: use the target it was trained for")
+                         f"{[2, L // 2, L - 3]} of this {L}-layer target, which repeat: use the target it was "
+                         "trained for")
     return tensors, {"draft_vocab_size": Vd}, list(ids)
 
 
@@ -186,7 +187,8 @@ def vocab_maps(d2t, t2d, Vd: int, V: int, path: Path) -> tuple[torch.Tensor, tor
     """EAGLE-3's (d2t, t2d) checked against each other; without d2t the draft vocabulary must be the target's."""
     if d2t is None:
         if Vd != V:
-            raise ValueError(f"{path}'s lm_head has {Vd} rows but no d2t says which of the target's {V} tokens they are")
+            raise ValueError(f"{path}'s lm_head has {Vd} rows but no d2t says which of the target's {V} tokens they "
+                             "are")
         return torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
     targets = d2t.long() + torch.arange(Vd)
     if d2t.shape != (Vd,) or targets.min() < 0 or targets.max() >= V or targets.unique().numel() != Vd:
