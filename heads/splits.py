@@ -20,7 +20,7 @@ SPLITS = ("validation", "test")
 
 
 def prompt_key(first_turn: str) -> str:
-    """The hash train/ records and serve/ checks: the held-out records' keys (train.records.Record.key)."""
+    """The hash train/ records and serve/ checks: the held-out records' keys (heads.records.Record.key)."""
     return hashlib.sha1(json.dumps([first_turn]).encode()).hexdigest()
 
 

@@ -35,10 +35,10 @@ from heads.target import load_target, shared_dir
 from serve import auto
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
-from serve.main import make_tree, ready_to_draft
+from serve.loading import ready_to_draft
 from serve.prompts import check_unseen, load_prompts, stop_ids
 from serve.model import Transformer
-from serve.tree import MEDUSA_TREE
+from serve.tree import MEDUSA_TREE, make_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = {"medusa": "static", "eagle": "dynamic", "eagle3": "dynamic"}

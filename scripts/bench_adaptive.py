@@ -30,7 +30,7 @@ from heads.target import load_target, shared_dir
 from serve import auto, calibrate
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
-from serve.main import load_draft_head
+from serve.loading import load_draft_head
 from serve.prompts import check_unseen, load_prompts, stop_ids
 from serve.model import Transformer
 from serve.tree import build_tree

@@ -25,46 +25,21 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from heads.checkpoint import check_target, load_head
 from heads.errors import UserError
-from heads.target import load_target, resolve_dtype, shared_dir
+from heads.target import load_target, shared_dir
 from serve import auto, calibrate
 from serve.prompts import check_unseen, load_prompts, stop_ids
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
-from serve.model import Transformer, fast_linears
-from serve.tree import MEDUSA_TREE, build_tree
+from serve.loading import load_draft_head, resolve_device
+from serve.model import Transformer
+from serve.tree import MEDUSA_TREE, make_tree
 
 log = logging.getLogger("serve")
 OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), replace=True)
 
 
 # -- setup -------------------------------------------------------------------------------------------------------
-
-def resolve_device(cfg) -> tuple[str, torch.dtype]:
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    name = cfg.dtype if cfg.dtype != "auto" else resolve_dtype(cfg.target.dtype if device == "cpu" else "auto", device)
-    return device, getattr(torch, name)
-
-
-def load_draft_head(head_path, target, model, dtype):
-    path = Path(head_path)
-    if not (path / "config.json").exists() and (path / "head" / "config.json").exists():
-        path = path / "head"  # a training run's output directory
-    try:
-        head, config = load_head(path, device=str(model.device))
-        check_target(config, target.identity())
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(str(e)) from e
-    return ready_to_draft(head, model, dtype), path
-
-
-def ready_to_draft(head, model, dtype):
-    """Attach the runner's target modules and give the head the runner's projections (serve.model.fast_linears; on
-    the project's 2-core CPU an EAGLE-3 draft step went from 5.4 to 4.5 ms, its own 32k-row lm_head's share)."""
-    head.attach_target(model.embed_tokens, model.lm_head, model.norm)
-    return fast_linears(head.to(dtype).eval().requires_grad_(False))
-
 
 def drafting(cfg, head, head_dir, model, sampling: Sampling) -> tuple[dict, dict | None]:
     """-> (the setting: {"gamma"} or a tree's, the auto-choice record or None)."""
@@ -118,13 +93,6 @@ def drafting(cfg, head, head_dir, model, sampling: Sampling) -> tuple[dict, dict
         log.warning("gamma=auto: no setting predicts more than 1x on this machine (best draft setting %.2fx): "
                     "decoding without speculation", max(row["speedup_predicted"] for row in record["table"][1:]))
     return record["choice"], record
-
-
-def make_tree(setting: dict, device):
-    try:
-        return build_tree(setting, device)
-    except ValueError as e:
-        raise UserError(str(e)) from e
 
 
 # -- the job -----------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from heads import chat
 from heads.errors import UserError
+from heads.records import json_lines
 from heads.splits import assign_splits, check_split, prompt_key
 
 log = logging.getLogger(__name__)
@@ -22,13 +23,7 @@ SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag
 
 def _read(path: Path) -> list[tuple[int, dict]]:
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{i}: not JSON ({e.msg}); prompts= wants one JSON object per line") from e
+    for i, rec in json_lines(path, "prompts= wants one JSON object per line"):
         if not isinstance(rec, dict):
             raise UserError(f"{path}:{i}: expected a JSON object with 'turns', 'messages' or 'prompt'")
         rows.append((i, rec))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heads.errors import UserError
 from serve.verify import tree_attention_bias
 
 # A 24-node cut of Medusa's mc_sim_7b_63 tree (the most-visited paths first): depth 4, wide at the top.
@@ -178,6 +179,14 @@ def build_tree(setting: dict, device) -> StaticTree | DynamicTree | None:
     if setting.get("tree") == "dynamic":
         return DynamicTree(setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"])
     return None
+
+
+def make_tree(setting: dict, device) -> StaticTree | DynamicTree | None:
+    """build_tree for a setting the user wrote: what does not make a tree is one UserError line."""
+    try:
+        return build_tree(setting, device)
+    except ValueError as e:
+        raise UserError(str(e)) from e
 
 
 # -- expected tokens per target pass (auto selection and the benchmark's prediction) --------------------------

@@ -26,7 +26,7 @@ from heads import chat
 from train import UserError
 from train.distill import DistillConfig, answer
 from heads.splits import SPLITS
-from train.records import Record, reference_records, split_records
+from heads.records import Record, reference_records, split_records
 
 log = logging.getLogger(__name__)
 

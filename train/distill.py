@@ -27,7 +27,7 @@ from heads import chat
 from heads.sampling import probs_from_logits
 from heads.target import Target, cache_dir
 from train.kv_cache import RowCache
-from train.records import Record
+from heads.records import Record
 
 log = logging.getLogger(__name__)
 

@@ -30,14 +30,14 @@ from tqdm import tqdm
 from heads.target import Target, cache_dir
 from train import UserError
 from train.distill import DistillConfig, _answer_all, _prompt_ids, as_question
-from train.records import Record, read_sources
+from heads.records import Record, read_sources
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class RegenConfig:
-    files: list[str] = field(default_factory=list)  # prompts in any train/records.py format; answers are replaced
+    files: list[str] = field(default_factory=list)  # prompts in any heads/records.py format; answers are replaced
     exclude_files: list[str] = field(default_factory=list)  # never answered (the held-out prompts)
     max_records: int | None = None  # a seeded random subset: every source is represented, not the first files
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # 0: greedy; one dataset per entry

@@ -12,7 +12,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from heads.checkpoint import save_head
-from serve.main import UserError, serve
+from heads.errors import UserError
+from serve.main import serve
 from serve.prompts import load_prompts
 from tests.serve.conftest import perturbed_head, runner_model
 
@@ -128,7 +129,7 @@ def test_static_tree_sampling_runs(files, tmp_path):
     (["head_path={d}/eagle", "tree=static"], "Medusa"),
     (["head_path={d}/medusa", "gamma=9"], "exceeds"),
     (["head_path={d}/nothing"], "not a draftheads head"),
-    (["prompts={d}/bad.jsonl"], "not JSON"),
+    (["prompts={d}/bad.jsonl"], "not valid JSON"),
 ])
 def test_bad_input_is_one_clear_error(files, tmp_path, overrides, message):
     (files / "bad.jsonl").write_text('{"prompt": "ok"}\n{not json\n')

@@ -1,4 +1,4 @@
-"""train/records.py + train/data.py: formats, assistant-only masks from the chat template, splits, batches."""
+"""heads/records.py + train/data.py: formats, assistant-only masks from the chat template, splits, batches."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import torch
 from train import UserError
 from train.data import (DataConfig, DraftDataModule, LengthGroupedBatches, chat_example, collate, ids_example,
                         text_example, token_counts)
-from train.records import read_sources, split_records
+from heads.records import read_sources, split_records
 
 CONVERSATION = [
     {"role": "user", "content": "What is two plus two?"},

@@ -13,7 +13,7 @@ import pytest
 
 from heads.target import load_target
 from train import UserError
-from train.records import read_sources
+from heads.records import read_sources
 from train.regenerate import RegenConfig, regenerate
 
 REPO = Path(__file__).resolve().parents[2]

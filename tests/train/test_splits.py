@@ -12,7 +12,7 @@ import train.selection
 from heads.splits import assign_splits
 from tests.conftest import require_shared
 from train.main import train as run_train
-from train.records import split_records
+from heads.records import split_records
 
 
 def test_assign_splits_halves_every_category_in_file_order():

@@ -98,7 +98,7 @@ def test_eval_mode_round_trip(fast_cfg, tmp_path, chat_files, tiny_target):
 
     # serve/ writes OUT/generations.jsonl (prompt_ids + token_ids): the same tokens give the same α
     from train.data import chat_example
-    from train.records import read_sources
+    from heads.records import read_sources
 
     rows = []
     for record in read_sources([str(chat_files[1])]):

@@ -18,11 +18,12 @@ import glob
 import hashlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from heads.errors import UserError
 from heads.splits import SPLITS, assign_splits, prompt_key
-from train import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -129,23 +130,30 @@ def resolve_paths(entry: str) -> list[Path]:
     raise UserError(f"data file {entry!r} not found (nor under {REPO_ROOT}); fix data.train_files / data.eval_files")
 
 
+def json_lines(path: Path, fix: str) -> Iterator[tuple[int, object]]:
+    """(line number, object) per non-blank line of a JSON-lines file; a line that is not JSON is one UserError
+    ending in ``fix``."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); {fix}") from e
+            yield lineno, obj
+
+
 def read_file(path: Path) -> list[Record]:
     if path.suffix == ".txt":
         paragraphs = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n")]
         records = [Record(text=p, where=f"{path}:paragraph {i}") for i, p in enumerate(paragraphs, 1) if p]
     else:
         records = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line") from e
-                if isinstance(obj, dict) and "skipped" in obj:
-                    continue  # a prompt mode=distill left unanswered (too long), kept so its shard stays complete
-                records.append(parse_record(obj, f"{path}:{lineno}"))
+        for lineno, obj in json_lines(path, "fix or remove that line"):
+            if isinstance(obj, dict) and "skipped" in obj:
+                continue  # a prompt mode=distill left unanswered (too long), kept so its shard stays complete
+            records.append(parse_record(obj, f"{path}:{lineno}"))
     if not records:
         raise UserError(f"{path}: no records (empty file); point data.train_files / data.eval_files at real data")
     return records
