@@ -168,10 +168,6 @@ class TargetFeatures:
             return self.target_logits
         return self.target_logits[self.loss_mask.nonzero()[:, 1] >= k]
 
-    @property
-    def last_hidden(self) -> torch.Tensor:
-        return self.hidden[max(self.hidden)]
-
     def hidden_as(self, dtype: torch.dtype) -> "TargetFeatures":
         """The same batch with the hidden states in ``dtype``: the one place a bf16/fp16 target's features meet
         an fp32 head (training, α and export all pass through here; serve/ casts the head to the target instead).

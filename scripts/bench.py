@@ -38,6 +38,7 @@ from serve.generate import Decoder, Sampling, Stats, generate
 from serve.loading import ready_to_draft
 from serve.prompts import check_unseen, load_prompts, stop_ids
 from serve.model import Transformer
+from serve.setting import Costs, Setting
 from serve.tree import MEDUSA_TREE, make_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,35 +123,33 @@ def alphas_for(h, temperature) -> dict | None:
         return None
 
 
-def settings_for(h, alphas, costs, fixed_gamma=None) -> list[dict]:
+def settings_for(h, alphas, costs: Costs, fixed_gamma=None) -> list[Setting]:
     """The chain and (where the family has one) the tree the runner would pick, and adaptive γ; defaults without
     α (and no adaptive row: it needs α as its prior). ``fixed_gamma``: that one chain only."""
     head, family = h["head"], h["head"].family
     steps = head.max_draft_steps
     if fixed_gamma:
-        return [{"gamma": min(fixed_gamma, steps or fixed_gamma)}]
+        return [Setting.chain(min(fixed_gamma, steps or fixed_gamma))]
     tree = TREES.get(family)
     if alphas is None:
-        out = [{"gamma": min(3, steps or 3)}]
+        out = [Setting.chain(min(3, steps or 3))]
         if tree == "static":
-            paths = [p for p in MEDUSA_TREE if len(p) <= min(3, steps)]
-            out.append({"tree": "static", "tree_paths": paths, "tree_depth": max(map(len, paths)),
-                        "tree_total_tokens": len(paths)})
+            out.append(Setting.static_tree([p for p in MEDUSA_TREE if len(p) <= min(3, steps)]))
         elif tree == "dynamic":
-            out.append({"tree": "dynamic", "tree_depth": 4, "tree_top_k": 4, "tree_total_tokens": 16})
+            out.append(Setting.dynamic_tree(4, 4, 16))
         return out
     rows = auto.candidates(family, steps, alphas, tree)
-    best = lambda cands: max(cands, key=lambda s: auto.predict(s, alphas, costs["r"], costs["c"])["speedup_predicted"])
-    out = [best([s for s in rows if s.get("gamma")])]  # γ = 0 is the vanilla row
+    best = lambda cands: max(cands, key=lambda s: auto.predict(s, alphas, costs)["speedup_predicted"])
+    out = [best([s for s in rows if s.kind == "chain"])]  # γ = 0 is the vanilla row
     if tree:
-        out.append(best([s for s in rows if "tree" in s]))
-    return out + [{"adaptive": True}] + ([{"adaptive": True, "tree": tree}] if tree else [])
+        out.append(best([s for s in rows if s.kind == "tree"]))
+    return out + [Setting.adaptive_over(None)] + ([Setting.adaptive_over(tree)] if tree else [])
 
 
-def predicted(s, read: dict, costs) -> dict:
+def predicted(s: Setting, read: dict, costs: Costs) -> dict:
     """τ and speedup over vanilla predicted from acceptance.json alone (``read``: auto.read_acceptance) and the
     costs measured before decoding: serve/auto.py's chain walk for chains, its tree model for trees."""
-    pred = auto.predict(s, read["alpha"], costs["r"], costs["c"], read["tau_chain"], ranks=read["ranks"])
+    pred = auto.predict(s, read["alpha"], costs, read["tau_chain"], ranks=read["ranks"])
     return {"tau": pred["tau_predicted"], "speedup": pred["speedup_predicted"]}
 
 
@@ -172,19 +171,18 @@ def hf_runner(target, kind, args, stops):
     return run
 
 
-def our_runner(model, head, setting, stops, max_new_tokens, alphas=None, costs=None):
-    tree = make_tree(setting, model.device) if "tree" in setting and not setting.get("adaptive") else None
+def our_runner(model, head, setting: Setting, stops, max_new_tokens, alphas=None, costs: Costs | None = None):
+    tree = make_tree(setting, model.device)  # None for a chain and for adaptive (its candidates have their own)
     decoders = {}
 
     def run(prompt, temperature, seed):
         if temperature not in decoders:
             adaptive = None
-            if setting.get("adaptive"):
+            if setting.adaptive:
                 steps = head.max_draft_steps or len(alphas)
-                candidates = auto.candidates(head.family, head.max_draft_steps, alphas, setting.get("tree"))
-                adaptive = Adaptive(alphas[:steps], costs["r"], costs["c"], settings=candidates,
-                                    pass_s=costs["target_pass_1_s"])
-            decoders[temperature] = Decoder(model, head, Sampling(temperature), gamma=setting.get("gamma", 0),
+                candidates = auto.candidates(head.family, head.max_draft_steps, alphas, setting.tree)
+                adaptive = Adaptive(alphas[:steps], costs, settings=candidates, pass_s=costs.pass_s)
+            decoders[temperature] = Decoder(model, head, Sampling(temperature), gamma=setting.gamma,
                                             tree=tree, adaptive=adaptive)
         dec = decoders[temperature]
         dec.generator.manual_seed(seed)
@@ -227,12 +225,12 @@ def main():
     results = {}
     for T in args.temperatures:
         methods = {k: {"run": hf_runner(target, k, args, stops)} for k in args.baselines}
-        methods["vanilla"] = {"run": our_runner(model, None, {"gamma": 0}, stops, args.max_new_tokens)}
+        methods["vanilla"] = {"run": our_runner(model, None, Setting.chain(0), stops, args.max_new_tokens)}
         for h in heads:
             read = alphas_for(h, T)
             alphas = read["alpha"] if read else None
             for s in settings_for(h, alphas, h["costs"], args.gamma):
-                name = f"{h['label']}: {auto.describe(s)}"
+                name = f"{h['label']}: {s.describe()}"
                 methods[name] = {"run": our_runner(model, h["head"], s, stops, args.max_new_tokens, alphas,
                                                    h["costs"]), "setting": s, "head": h, "read": read}
         for m in methods.values():  # warm-up, untimed (compiled: the decode passes compile here)
@@ -256,7 +254,7 @@ def main():
               "split": args.split, "question_ids": [p["question_id"] for p in prompts],
               "prompts_unseen_by_alpha": {h["label"]: h["prompts_unseen_by_alpha"] for h in heads},
               "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
-              "costs": {h["label"]: h["costs"] for h in heads},
+              "costs": {h["label"]: h["costs"].to_json() for h in heads},
               "results": {str(T): rows for T, rows in results.items()}}
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     (out / "bench.md").write_text(markdown(report))
@@ -270,13 +268,13 @@ def summarise(methods) -> list[dict]:
     for name, m in methods.items():
         row = {"method": name, "tokens": m["tokens"], "seconds": m["seconds"], "tokens_per_s": tps[name],
                "x_hf_generate": tps[name] / tps["hf_generate"], "x_vanilla": tps[name] / tps["vanilla"]}
-        if m.get("setting", {}).get("adaptive"):
+        if "setting" in m and m["setting"].adaptive:
             summary = m["stats"].summary()
-            row.update(setting=m["setting"], tau_measured=summary["tau_measured"],
+            row.update(setting=m["setting"].to_json(), tau_measured=summary["tau_measured"],
                        rounds_per_gamma=summary["rounds_per_draft_depth"])
         elif "setting" in m:
             s, summary = m["setting"], m["stats"].summary()
-            row.update(setting={k: v for k, v in s.items() if k != "tree_paths"},
+            row.update(setting=s.to_json(paths=False),
                        tau_measured=summary["tau_measured"],
                        accept_rate_per_position=summary["accept_rate_per_position"])
             if m["read"]:  # predicted before the run, from acceptance.json (other text) and the measured costs

@@ -33,6 +33,7 @@ from serve.generate import Decoder, Sampling, Stats, generate
 from serve.loading import load_draft_head
 from serve.prompts import check_unseen, load_prompts, stop_ids
 from serve.model import Transformer
+from serve.setting import Costs, Setting
 from serve.tree import build_tree
 
 TREES = {"medusa": "static", "eagle": "dynamic", "eagle3": "dynamic"}
@@ -60,34 +61,33 @@ def parse_args():
     return p.parse_args()
 
 
-def methods_for(head, read: dict, costs: dict) -> dict[str, dict]:
+def methods_for(head, read: dict, costs: Costs) -> dict[str, Setting]:
     """name -> setting: fixed chains, auto's tree, adaptive γ and adaptive trees (plain is added apart)."""
     family, steps, alphas = head.family, head.max_draft_steps, read["alpha"]
     tree = TREES.get(family)
     top = len(alphas) if steps is None else min(len(alphas), steps)
-    out = {auto.describe({"gamma": g}): {"gamma": g} for g in range(1, top + 1)}
-    predict = lambda s: auto.predict(s, alphas, costs["r"], costs["c"], read["tau_chain"],
-                                     ranks=read["ranks"])["speedup_predicted"]
+    out = {Setting.chain(g).describe(): Setting.chain(g) for g in range(1, top + 1)}
+    predict = lambda s: auto.predict(s, alphas, costs, read["tau_chain"], ranks=read["ranks"])["speedup_predicted"]
     if tree:
-        best_tree = max((s for s in auto.candidates(family, steps, alphas, tree) if "tree" in s), key=predict)
-        out[auto.describe(best_tree)] = best_tree
-    out["adaptive γ"] = {"adaptive": True}
+        best_tree = max((s for s in auto.candidates(family, steps, alphas, tree) if s.kind == "tree"), key=predict)
+        out[best_tree.describe()] = best_tree
+    out["adaptive γ"] = Setting.adaptive_over(None)
     if tree:
-        out[f"adaptive {tree} tree"] = {"adaptive": True, "tree": tree}
+        out[f"adaptive {tree} tree"] = Setting.adaptive_over(tree)
     return out
 
 
-def decoder(model, head, setting, read, costs, T) -> Decoder:
+def decoder(model, head, setting: Setting, read, costs: Costs, T) -> Decoder:
     adaptive = None
-    if setting.get("adaptive"):
+    if setting.adaptive:
         prior = read["alpha"][: head.max_draft_steps] if head.max_draft_steps else read["alpha"]
-        candidates = auto.candidates(head.family, head.max_draft_steps, read["alpha"], setting.get("tree"))
-        adaptive = Adaptive(prior, costs["r"], costs["c"], settings=candidates, pass_s=costs["target_pass_1_s"])
+        candidates = auto.candidates(head.family, head.max_draft_steps, read["alpha"], setting.tree)
+        adaptive = Adaptive(prior, costs, settings=candidates, pass_s=costs.pass_s)
     tree = None if adaptive else build_tree(setting, model.device)
-    return Decoder(model, head, Sampling(T), gamma=setting.get("gamma", 0), tree=tree, adaptive=adaptive)
+    return Decoder(model, head, Sampling(T), gamma=setting.gamma, tree=tree, adaptive=adaptive)
 
 
-def over_time(traces: list[list[int]], settings: list[dict], parts: int = 4) -> list[dict]:
+def over_time(traces: list[list[int]], settings: list[Setting], parts: int = 4) -> list[dict]:
     """Each request's rounds cut in ``parts`` equal stretches; per stretch over all requests: the most used
     setting and the share of plain rounds."""
     stretches = [Counter() for _ in range(parts)]
@@ -98,7 +98,7 @@ def over_time(traces: list[list[int]], settings: list[dict], parts: int = 4) -> 
     for c in stretches:
         total = sum(c.values()) or 1
         top, n = c.most_common(1)[0] if c else (0, 0)
-        out.append({"most_used": auto.describe(settings[top]), "share": n / total, "plain": c[0] / total})
+        out.append({"most_used": settings[top].describe(), "share": n / total, "plain": c[0] / total})
     return out
 
 
@@ -109,8 +109,8 @@ def run_head(model, head, head_dir, prompts, stops, args, T) -> dict:
     record = calibrate.choose(model, head, Sampling(T), read["alpha"], costs, TREES.get(head.family),
                               read["tau_chain"], read["ranks"])  # gamma=auto's choice, as serve/main.py makes it
     settings = methods_for(head, read, costs)
-    if record["choice"] != {"gamma": 0}:  # auto's pick is always a row (plain is one already)
-        settings.setdefault(auto.describe(record["choice"]), record["choice"])
+    if record["choice"].kind != "plain":  # auto's pick is always a row (plain is one already)
+        settings.setdefault(record["choice"].describe(), record["choice"])
     decoders = {"plain": Decoder(model, None, Sampling(T))}
     decoders.update({name: decoder(model, head, s, read, costs, T) for name, s in settings.items()})
     seconds, tokens = Counter(), Counter()
@@ -138,9 +138,9 @@ def run_head(model, head, head_dir, prompts, stops, args, T) -> dict:
                 traces[name].append(trace)
         print(f"{head_dir.name} T={T} prompt {i + 1}/{len(prompts)}", flush=True)
     tps = {name: tokens[name] / seconds[name] for name in decoders}
-    fixed = [n for n, s in settings.items() if not s.get("adaptive")]
+    fixed = [n for n, s in settings.items() if not s.adaptive]
     best_fixed = max(fixed, key=tps.__getitem__)
-    auto_pick = auto.describe(record["choice"])
+    auto_pick = record["choice"].describe()
     rows = []
     for name, dec in decoders.items():
         row = {"method": name, "tokens": tokens[name], "seconds": seconds[name], "tokens_per_s": tps[name],
@@ -149,11 +149,11 @@ def run_head(model, head, head_dir, prompts, stops, args, T) -> dict:
                "best_fixed": name == best_fixed, "auto_pick": name == auto_pick}
         if dec.adaptive is not None:
             chosen = Counter(i for trace in traces[name] for i in trace)
-            row["rounds_by_setting"] = {auto.describe(dec.adaptive.settings[i]): n for i, n in chosen.most_common()}
+            row["rounds_by_setting"] = {dec.adaptive.settings[i].describe(): n for i, n in chosen.most_common()}
             row["over_time"] = over_time(traces[name], dec.adaptive.settings)
         rows.append(row)
     return {"head": str(head_dir), "family": head.family, "temperature": T, "acceptance_json": str(acc),
-            "tau_source": read["source"], "alpha": read["alpha"], "costs": costs, "auto_pick": auto_pick,
+            "tau_source": read["source"], "alpha": read["alpha"], "costs": costs.to_json(), "auto_pick": auto_pick,
             "auto_predicted": record["predicted"]["speedup_predicted"], "round_excess": record["round_excess"],
             "auto_passes_only": record["passes_only_choice"],
             "best_fixed": best_fixed, "rows": rows}

@@ -44,19 +44,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serve.auto import predict
+from serve.setting import Costs, Setting
 
 
 @dataclass
 class Adaptive:
     prior: list[float]  # α per draft position (acceptance.json); its length caps γ
-    r: dict[int, float]  # r(n): a target pass over n tokens ÷ one token (serve/auto.py measure_costs)
-    c: float  # one draft step ÷ one target token
+    costs: Costs  # r(n) and c, measured (serve/auto.py measure_costs)
     prior_weight: float = 4.0  # rounds the training α is worth: a few bad rounds can overrule it
     decay: float = 0.9  # per observed round: the estimate follows the last ~10 rounds of this text
     probe_every: int = 16  # plain rounds before the first probe while speculation is off (per request)
     probe_max: int = 128  # the longest wait between probes, after failed ones
-    settings: list[dict] | None = None  # candidates, settings[0] = {"gamma": 0}; None: chains γ = 0..len(prior)
-    pass_s: float | None = None  # one target pass (measure_costs' target_pass_1_s); None: no online cost correction
+    settings: list[Setting] | None = None  # candidates, settings[0] plain decoding; None: chains γ = 0..len(prior)
+    pass_s: float | None = None  # one target pass (Costs.pass_s); None: no online cost correction
     calibrate: int = 2  # with pass_s: plain rounds timed before the first drafted one (once per Adaptive)
     refresh_every: int = 64  # drafted rounds in a row before one plain round re-times the unit
     outlier: float = 3.0  # a round this many times its expected time is dropped (a compile, a stall) ...
@@ -71,10 +71,10 @@ class Adaptive:
         if not self.prior:
             raise ValueError("adaptive γ needs a prior α per draft position (acceptance.json)")
         if self.settings is None:
-            self.settings = [{"gamma": g} for g in range(len(self.prior) + 1)]
-        if self.settings[0] != {"gamma": 0}:
-            raise ValueError("adaptive settings must start with plain decoding, {'gamma': 0}")
-        self.costs = [predict(s, [1.0] * self.positions, self.r, self.c)["cost"] for s in self.settings]  # α-free
+            self.settings = [Setting.chain(g) for g in range(len(self.prior) + 1)]
+        if self.settings[0].kind != "plain":
+            raise ValueError("adaptive settings must start with plain decoding, Setting.chain(0)")
+        self.round_costs = [predict(s, [1.0] * self.positions, self.costs)["cost"] for s in self.settings]  # α-free
         self.round_s = self.pass_s
         self.plain_weight = 0.0  # observed plain rounds behind round_s (decayed); 0: still the pass_s prior
         self.plain_timed = 0  # plain rounds timed so far, for calibrate
@@ -85,7 +85,7 @@ class Adaptive:
     @property
     def positions(self) -> int:
         """Positions the estimate keeps: the prior's, or the deepest candidate's when deeper."""
-        return max(len(self.prior), *(s.get("gamma") or s.get("tree_depth", 0) for s in self.settings))
+        return max(len(self.prior), *(s.depth for s in self.settings))
 
     def reset(self) -> None:
         """A new request: back to the prior."""
@@ -118,9 +118,9 @@ class Adaptive:
     def _score(self) -> list[float]:
         alphas = self.estimate()
         out = [1.0]
-        for s, cost in zip(self.settings[1:], self.costs[1:]):
-            cost += self.overhead.get(kind(s), 0.0)
-            out.append(predict(s, alphas, self.r, self.c)["tau_predicted"] / max(cost, 1e-3))
+        for s, cost in zip(self.settings[1:], self.round_costs[1:]):
+            cost += self.overhead.get(s.kind, 0.0)
+            out.append(predict(s, alphas, self.costs)["tau_predicted"] / max(cost, 1e-3))
         return out
 
     def choose(self) -> int:
@@ -169,8 +169,8 @@ class Adaptive:
         """The wall time of a finished round that used ``settings[index]``."""
         if self.round_s is None:
             return
-        k = kind(self.settings[index])
-        expected = self.round_s * (1.0 if index == 0 else self.costs[index] + self.overhead.get(k, 0.0))
+        k = self.settings[index].kind
+        expected = self.round_s * (1.0 if index == 0 else self.round_costs[index] + self.overhead.get(k, 0.0))
         if seconds > self.outlier * expected and self.dropped.get(index, 0) < self.outlier_runs:
             self.dropped[index] = self.dropped.get(index, 0) + 1
             return
@@ -182,10 +182,6 @@ class Adaptive:
             self.plain_timed += 1
             self.drafted_run = 0  # the scores stand: costs and excesses are in plain rounds, whatever one takes
             return
-        excess = seconds / self.round_s - self.costs[index]
+        excess = seconds / self.round_s - self.round_costs[index]
         self._scores = None
         self.overhead[k] = excess if k not in self.overhead else self.decay * self.overhead[k] + (1 - self.decay) * excess
-
-
-def kind(setting: dict) -> str:
-    return "tree" if "tree" in setting else "chain" if setting.get("gamma") else "plain"

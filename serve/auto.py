@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from heads.losses import tau_predicted
+from serve.setting import Costs, Setting
 from serve.tree import MEDUSA_TREE, expected_tau_dynamic, expected_tau_paths
 
 
@@ -109,7 +110,7 @@ def _seconds_interleaved(fns: dict, reps: int) -> dict:
 
 
 @torch.inference_mode()  # as generate() decodes: a compiled target then times the graphs the decode loop runs
-def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> dict:
+def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> Costs:
     """r(n) for n in sizes (target pass over n tokens after ``context`` cached ones, ÷ one token) and c (one
     draft step ÷ one target token), measured on this machine with random tokens."""
     device = model.device
@@ -123,120 +124,85 @@ def measure_costs(model, head, sizes, context: int = 256, reps: int = 5) -> dict
     seconds = _seconds_interleaved(passes, reps)
     one = seconds[1]
     r = {n: t / one for n, t in seconds.items()}  # r[1] = 1: the unit
-    out = {"target_pass_1_s": one, "r": r, "context": context}
-    if head is not None:
-        _, hidden = model(ids[:, :context], 0, hidden_layers=layers)
-        cache = head.new_cache(context + 64, device, model.dtype)
-        logits, state = head.commit(cache, {k: h[:, :-1] for k, h in hidden.items()}, ids[:, 1:context], 0)
-        token = logits.argmax(-1)
-        depth = 2 if head.max_draft_steps is None or head.max_draft_steps >= 2 else 1
-        if depth == 2:
-            step = _seconds(lambda: head.step(cache, state, token, 2), reps)
-        else:  # a one-step head: its only call is the commit
-            step = _seconds(lambda: head.commit(cache, {k: h[:, -2:-1] for k, h in hidden.items()},
-                                                       ids[:, context - 1 : context], context - 1), reps)
-        out["draft_step_s"] = step
-        out["c"] = step / one
-    return out
+    if head is None:
+        return Costs(r, pass_s=one, context=context)
+    _, hidden = model(ids[:, :context], 0, hidden_layers=layers)
+    cache = head.new_cache(context + 64, device, model.dtype)
+    logits, state = head.commit(cache, {k: h[:, :-1] for k, h in hidden.items()}, ids[:, 1:context], 0)
+    token = logits.argmax(-1)
+    depth = 2 if head.max_draft_steps is None or head.max_draft_steps >= 2 else 1
+    if depth == 2:
+        step = _seconds(lambda: head.step(cache, state, token, 2), reps)
+    else:  # a one-step head: its only call is the commit
+        step = _seconds(lambda: head.commit(cache, {k: h[:, -2:-1] for k, h in hidden.items()},
+                                            ids[:, context - 1 : context], context - 1), reps)
+    return Costs(r, step / one, pass_s=one, draft_step_s=step, context=context)
 
 
-def candidates(family: str, max_steps: int | None, alphas: list[float], tree: str | None):
+def candidates(family: str, max_steps: int | None, alphas: list[float], tree: str | None) -> list[Setting]:
     """Settings to compare: chain γ up to the measured positions (and the head's limit); trees where they apply."""
     top = len(alphas) if max_steps is None else min(len(alphas), max_steps)
-    out = [{"gamma": g} for g in range(0, top + 1)]
+    out = [Setting.chain(g) for g in range(0, top + 1)]
     if tree == "static" and family == "medusa":
         for depth in range(2, top + 1):
-            paths = [p for p in MEDUSA_TREE if len(p) <= depth]
-            out.append({"tree": "static", "tree_depth": depth, "tree_paths": paths, "tree_total_tokens": len(paths)})
+            out.append(Setting.static_tree([p for p in MEDUSA_TREE if len(p) <= depth], depth))
     if tree == "dynamic" and family in ("eagle", "eagle3"):
         for depth in range(2, max(top, 2) + 3):  # EAGLE-2 drafts deeper than trained; α_K stands in beyond K
             for total in (8, 16, 24, 32, 48, 64):
                 if total <= 4 + (depth - 1) * 16:
-                    out.append({"tree": "dynamic", "tree_depth": depth, "tree_top_k": 4, "tree_total_tokens": total})
+                    out.append(Setting.dynamic_tree(depth, 4, total))
     return out
 
 
-def kind(setting: dict) -> str:
-    """plain, chain or tree: what a round of the setting runs besides the passes (one excess cost per kind)."""
-    return "plain" if setting.get("gamma") == 0 else "chain" if "gamma" in setting else "tree"
-
-
-def predict(setting: dict, alphas: list[float], r: dict, c: float, tau_chain: dict | None = None,
+def predict(setting: Setting, alphas: list[float], costs: Costs, tau_chain: dict | None = None,
             excess: dict | None = None, ranks: list | None = None) -> dict:
     """tau_chain: the recorded chain-walk τ per γ, used for chains where it has that γ. excess (round_excess):
     per kind, what a whole round cost beyond its passes, in target passes; the cost is then in plain rounds.
     ranks: the recorded greedy hit rate per draft rank (alpha_rank), for trees' siblings (tree.rank_accept)."""
-    if setting.get("gamma") == 0:
+    s = setting
+    if s.kind == "plain":
         return {"tau_predicted": 1.0, "r": 1.0, "cost": 1.0, "speedup_predicted": 1.0}
-    if "gamma" in setting:
-        n, calls = setting["gamma"] + 1, setting["gamma"]
-        tau = (tau_chain or {}).get(n - 1) or tau_predicted(alphas[: setting["gamma"]])[setting["gamma"]]
-    elif setting["tree"] == "static":
-        n, calls = setting["tree_total_tokens"] + 1, setting["tree_depth"]
-        tau = expected_tau_paths(alphas, setting["tree_paths"], ranks)
+    if s.kind == "chain":
+        n, calls = s.gamma + 1, s.gamma
+        tau = (tau_chain or {}).get(n - 1) or tau_predicted(alphas[: s.gamma])[s.gamma]
+    elif s.tree == "static":
+        n, calls = s.tree_total_tokens + 1, s.tree_depth
+        tau = expected_tau_paths(alphas, s.tree_paths, ranks)
     else:
-        n, calls = setting["tree_total_tokens"] + 1, setting["tree_depth"]
-        tau = expected_tau_dynamic(alphas, setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"],
-                                   ranks)
-    cost = interpolate(r, n) + calls * c
-    if excess and kind(setting) in excess:  # a plain round is 1 + excess["plain"] passes: the unit
-        cost = (cost + excess[kind(setting)]) / (1 + excess["plain"])
-    return {"tau_predicted": tau, "r": interpolate(r, n), "cost": cost, "speedup_predicted": tau / cost}
+        n, calls = s.tree_total_tokens + 1, s.tree_depth
+        tau = expected_tau_dynamic(alphas, s.tree_depth, s.tree_top_k, s.tree_total_tokens, ranks)
+    cost = costs.round_cost(n, calls)
+    if excess and s.kind in excess:  # a plain round is 1 + excess["plain"] passes: the unit
+        cost = (cost + excess[s.kind]) / (1 + excess["plain"])
+    return {"tau_predicted": tau, "r": costs.target_pass(n), "cost": cost, "speedup_predicted": tau / cost}
 
 
-def to_time(table: list[dict], settings: list[dict]) -> list[dict]:
+def to_time(table: list[dict], settings: list[Setting]) -> list[Setting]:
     """The settings whose whole rounds are timed: plain decoding and, per drafting kind, the one the passes alone
     predict best (the one that kind would be served with unless its excess changes the ranking)."""
     best = {}
     for row, s in zip(table, settings):
-        if kind(s) not in best or row["speedup_predicted"] > best[kind(s)][0]:
-            best[kind(s)] = (row["speedup_predicted"], s)
+        if s.kind not in best or row["speedup_predicted"] > best[s.kind][0]:
+            best[s.kind] = (row["speedup_predicted"], s)
     return [best.pop("plain")[1], *(s for _, s in best.values())]
 
 
-def round_excess(settings: list[dict], seconds: list[float], costs: dict, alphas: list[float]) -> dict:
+def round_excess(settings: list[Setting], seconds: list[float], costs: Costs, alphas: list[float]) -> dict:
     """Per kind: a timed round's seconds in target passes, less what the passes alone predict (plain: 1)."""
-    one = costs["target_pass_1_s"]
-    return {kind(s): t / one - predict(s, [1.0] * len(alphas), costs["r"], costs["c"])["cost"]
+    return {s.kind: costs.in_passes(t) - predict(s, [1.0] * len(alphas), costs)["cost"]
             for s, t in zip(settings, seconds)}
 
 
-def interpolate(r: dict, n: int) -> float:
-    """r(n) from the measured points (linear between them, flat-slope extrapolation past the last)."""
-    xs = sorted(r)
-    if n in r:
-        return r[n]
-    lo = max([x for x in xs if x < n], default=xs[0])
-    hi = min([x for x in xs if x > n], default=None)
-    if hi is None:
-        prev = max([x for x in xs if x < lo], default=lo)
-        slope = (r[lo] - r[prev]) / (lo - prev) if lo != prev else 0.0
-        return r[lo] + slope * (n - lo)
-    return r[lo] + (r[hi] - r[lo]) * (n - lo) / (hi - lo)
-
-
-def choose(family: str, max_steps: int | None, alphas: list[float], costs: dict, tree: str | None,
+def choose(family: str, max_steps: int | None, alphas: list[float], costs: Costs, tree: str | None,
            tau_chain: dict | None = None, excess: dict | None = None, ranks: list | None = None) -> dict:
-    """-> {"choice": best setting, "predicted": ..., "table": every candidate with its prediction}."""
+    """-> {"choice": best Setting, "predicted": ..., "table": every candidate (as JSON) with its prediction}."""
     table = []
     for s in candidates(family, max_steps, alphas, tree):
-        row = {k: v for k, v in s.items() if k != "tree_paths"}
-        table.append({**row, **predict(s, alphas, costs["r"], costs["c"], tau_chain, excess, ranks)})
+        table.append({**s.to_json(paths=False), **predict(s, alphas, costs, tau_chain, excess, ranks)})
     # max keeps the first of equals: speculation must predict more than plain decoding (candidate 0) to win
     best = max(range(len(table)), key=lambda i: table[i]["speedup_predicted"])
     choice = candidates(family, max_steps, alphas, tree)[best]
     return {"choice": choice, "predicted": table[best], "table": table}
-
-
-def describe(s: dict) -> str:
-    """A setting in a few words (logs, bench tables)."""
-    if s.get("adaptive"):
-        return f"adaptive {s['tree']} tree" if s.get("tree") else "adaptive γ"
-    if "gamma" in s:
-        return f"chain γ={s['gamma']}" if s["gamma"] else "plain"
-    if s["tree"] == "static":
-        return f"static tree {s['tree_total_tokens']} nodes, depth {s['tree_depth']}"
-    return f"dynamic tree {s['tree_total_tokens']} nodes, depth {s['tree_depth']}, top-{s['tree_top_k']}"
 
 
 def sizes_for(max_steps: int | None, alphas: list[float], tree: str | None) -> list[int]:

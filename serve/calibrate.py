@@ -12,11 +12,12 @@ import torch
 
 from serve import auto
 from serve.generate import Decoder, Sampling, accept, draft, prefill, verify
+from serve.setting import Costs, Setting
 from serve.tree import build_tree
 
 
 @torch.inference_mode()
-def time_rounds(model, head, sampling: Sampling, settings: list[dict], context: int = 256, rounds: int = 4,
+def time_rounds(model, head, sampling: Sampling, settings: list[Setting], context: int = 256, rounds: int = 4,
                 blocks: int = 3) -> list[float]:
     """Seconds of one whole decode round (draft, verify, accept) per setting, the fastest of rounds × blocks.
 
@@ -29,8 +30,8 @@ def time_rounds(model, head, sampling: Sampling, settings: list[dict], context: 
     """
     device = model.device
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
-    decoders = [Decoder(model, head if (s.get("gamma") or s.get("tree")) else None, sampling, gamma=s.get("gamma", 0),
-                        tree=build_tree(s, device)) for s in settings]
+    decoders = [Decoder(model, head if s.kind != "plain" else None, sampling, gamma=s.gamma, tree=build_tree(s, device))
+                for s in settings]
     best = [float("inf")] * len(settings)
     for _ in range(blocks):
         for i, dec in enumerate(decoders):
@@ -46,7 +47,7 @@ def time_rounds(model, head, sampling: Sampling, settings: list[dict], context: 
     return best
 
 
-def choose(model, head, sampling: Sampling, alphas: list[float], costs: dict, tree: str | None,
+def choose(model, head, sampling: Sampling, alphas: list[float], costs: Costs, tree: str | None,
            tau_chain: dict | None = None, ranks: list | None = None) -> dict:
     """auto.choose with each kind's round excess: plain decoding and the best setting of each drafting kind by
     the passes alone are timed whole, and the table is scored again. The record says what was timed and what the
@@ -57,6 +58,6 @@ def choose(model, head, sampling: Sampling, alphas: list[float], costs: dict, tr
     seconds = time_rounds(model, head, sampling, timed)
     excess = auto.round_excess(timed, seconds, costs, alphas)
     record = auto.choose(family, steps, alphas, costs, tree, tau_chain, excess, ranks)
-    record.update(round_excess=excess, rounds_timed_s={auto.describe(s): t for s, t in zip(timed, seconds)},
-                  passes_only_choice={"setting": auto.describe(passes_only["choice"]), **passes_only["predicted"]})
+    record.update(round_excess=excess, rounds_timed_s={s.describe(): t for s, t in zip(timed, seconds)},
+                  passes_only_choice={"setting": passes_only["choice"].describe(), **passes_only["predicted"]})
     return record

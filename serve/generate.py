@@ -128,24 +128,28 @@ class Decoder:
             raise ValueError("gamma > 0, a tree or adaptive drafting needs a draft head (head_path=...)")
         if self.adaptive is not None and self.tree is not None:
             raise ValueError("adaptive drafting picks its own chain or tree each round: pass tree=None")
-        settings = self.adaptive.settings if self.adaptive is not None else [{"gamma": self.gamma}]
         # one tree object per adaptive setting (None for chains), built once: static trees hold device tensors
-        self.trees = [build_tree(s, self.model.device) for s in settings] if self.adaptive else [self.tree]
+        self.trees = ([build_tree(s, self.model.device) for s in self.adaptive.settings] if self.adaptive
+                      else [self.tree])
         for tree in self.trees:
             if isinstance(tree, DynamicTree) and not hasattr(self.head, "step_tree"):
                 raise ValueError(f"a dynamic tree needs a head with step_tree (eagle, eagle3), not {self.head.family}")
             if isinstance(tree, StaticTree) and self.head.family != "medusa":
                 raise ValueError(f"static trees draft each depth independently (Medusa); not for {self.head.family}")
         steps = self.head.max_draft_steps if self.head is not None else None
-        top = max([s.get("gamma", 0) for s in settings] + [t.depth for t in self.trees if isinstance(t, StaticTree)])
+        top = max(self.gammas + [t.depth for t in self.trees if isinstance(t, StaticTree)])
         if steps is not None and top > steps:
             raise ValueError(f"gamma={top} exceeds the {self.head.family} head's {steps} draft steps")
 
     @property
+    def gammas(self) -> list[int]:
+        """The chain lengths a round may draft: adaptive's candidates' (0 for trees and plain), else gamma."""
+        return [s.gamma for s in self.adaptive.settings] if self.adaptive is not None else [self.gamma]
+
+    @property
     def draft_width(self) -> int:
         """Slots past the sequence a round may write (target and head caches)."""
-        settings = self.adaptive.settings if self.adaptive is not None else [{"gamma": self.gamma}]
-        return max([s.get("gamma", 0) for s in settings] + [t.size for t in self.trees if t is not None]) + 1
+        return max(self.gammas + [t.size for t in self.trees if t is not None]) + 1
 
     @property
     def scratch(self) -> int:
@@ -276,7 +280,7 @@ def choose_setting(dec: Decoder) -> None:
     """Adaptive: this round's γ or tree; when it drafts, first commit the plain rounds' features the head missed."""
     index = dec.adaptive.choose()
     dec.trace.append(index)
-    dec.gamma, dec.tree = dec.adaptive.settings[index].get("gamma", 0), dec.trees[index]
+    dec.gamma, dec.tree = dec.adaptive.settings[index].gamma, dec.trees[index]
     if (dec.gamma or dec.tree) and dec.backlog:
         hidden = {k: torch.cat([h[k] for h, _, _ in dec.backlog], dim=1) for k in dec.backlog[0][0]}
         tokens = torch.cat([t for _, t, _ in dec.backlog], dim=1)  # [1, n]

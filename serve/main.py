@@ -33,6 +33,7 @@ from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.loading import load_draft_head, resolve_device
 from serve.model import Transformer
+from serve.setting import Setting
 from serve.tree import MEDUSA_TREE, make_tree
 
 log = logging.getLogger("serve")
@@ -41,12 +42,12 @@ OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), re
 
 # -- setup -------------------------------------------------------------------------------------------------------
 
-def drafting(cfg, head, head_dir, model, sampling: Sampling) -> tuple[dict, dict | None]:
-    """-> (the setting: {"gamma"} or a tree's, the auto-choice record or None)."""
+def drafting(cfg, head, head_dir, model, sampling: Sampling) -> tuple[Setting, dict | None, Adaptive | None]:
+    """-> (the setting, the auto-choice record for bench.json or None, adaptive drafting's state or None)."""
     if head is None:
         if cfg.gamma not in ("auto", 0, None) or cfg.tree:
             raise UserError("gamma/tree need a draft head: pass head_path=DIR (or drop gamma/tree for vanilla)")
-        return {"gamma": 0}, None
+        return Setting.chain(0), None, None
     if cfg.tree not in (None, "static", "dynamic"):
         raise UserError(f"tree={cfg.tree}: choose null (chain), static or dynamic")
     if cfg.tree == "static" and head.family != "medusa":
@@ -56,17 +57,14 @@ def drafting(cfg, head, head_dir, model, sampling: Sampling) -> tuple[dict, dict
     if cfg.gamma not in ("auto", "adaptive"):
         if cfg.tree == "static":
             paths = [tuple(p) for p in cfg.tree_paths] if cfg.tree_paths else MEDUSA_TREE
-            paths = [p for p in paths if len(p) <= head.max_draft_steps]
-            return {"tree": "static", "tree_paths": paths, "tree_depth": max(map(len, paths)),
-                    "tree_total_tokens": len(paths)}, None
+            return Setting.static_tree([p for p in paths if len(p) <= head.max_draft_steps]), None, None
         if cfg.tree == "dynamic":
-            return {"tree": "dynamic", "tree_depth": cfg.tree_depth, "tree_top_k": cfg.tree_top_k,
-                    "tree_total_tokens": cfg.tree_total_tokens}, None
+            return Setting.dynamic_tree(cfg.tree_depth, cfg.tree_top_k, cfg.tree_total_tokens), None, None
         try:
             gamma = int(cfg.gamma)
         except (TypeError, ValueError) as e:
             raise UserError(f"gamma={cfg.gamma}: an integer, auto or adaptive") from e
-        return {"gamma": gamma}, None
+        return Setting.chain(gamma), None, None
     try:
         acc = auto.find_acceptance(head_dir, cfg.acceptance_path)
         read = auto.read_acceptance(acc, cfg.temperature)
@@ -77,22 +75,24 @@ def drafting(cfg, head, head_dir, model, sampling: Sampling) -> tuple[dict, dict
     costs = auto.measure_costs(model, head, auto.sizes_for(head.max_draft_steps, alphas, cfg.tree))
     inputs = {"acceptance_json": str(acc), "alpha": alphas, "alpha_temperature": read["temperature"],
               "alpha_source": read["source"], "tau_chain": read["tau_chain"], "alpha_rank": read["ranks"],
-              "costs": costs}
+              "costs": costs.to_json()}
     if cfg.gamma == "adaptive":
         settings = auto.candidates(head.family, head.max_draft_steps, alphas, cfg.tree)
         prior = alphas[: head.max_draft_steps] if head.max_draft_steps is not None else alphas
-        return {"adaptive": True, **({"tree": cfg.tree} if cfg.tree else {})}, {**inputs, "settings": settings,
-                                                                               "prior": prior}
+        adaptive = Adaptive(prior, costs, settings=settings, pass_s=costs.pass_s)
+        record = {**inputs, "settings": [s.to_json() for s in settings], "prior": prior}
+        return Setting.adaptive_over(cfg.tree), record, adaptive
     record = calibrate.choose(model, head, sampling, alphas, costs, cfg.tree, read["tau_chain"], read["ranks"])
-    record.update(inputs)
+    choice = record["choice"]
+    record.update(inputs, choice=choice.to_json())
     log.info("gamma=auto chose %s (predicted speedup %.2fx from α=%s, c=%.3f; a round's excess over its passes, "
-             "in passes: %s)", {k: v for k, v in record["choice"].items() if k != "tree_paths"},
-             record["predicted"]["speedup_predicted"], [round(a, 3) for a in alphas], costs["c"],
+             "in passes: %s)", choice.to_json(paths=False), record["predicted"]["speedup_predicted"],
+             [round(a, 3) for a in alphas], costs.draft_step,
              {k: round(v, 2) for k, v in record["round_excess"].items()})
-    if record["choice"] == {"gamma": 0}:
+    if choice.kind == "plain":
         log.warning("gamma=auto: no setting predicts more than 1x on this machine (best draft setting %.2fx): "
                     "decoding without speculation", max(row["speedup_predicted"] for row in record["table"][1:]))
-    return record["choice"], record
+    return choice, record, None
 
 
 # -- the job -----------------------------------------------------------------------------------------------------
@@ -117,22 +117,17 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     prompts = load_prompts(cfg.prompts, target.tokenizer, cfg.chat_template, cfg.per_category, cfg.limit,
                            cfg.get("split"))
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-    setting, choice = drafting(cfg, head, head_dir, model, sampling)
+    setting, choice, adaptive = drafting(cfg, head, head_dir, model, sampling)
     if choice is not None:  # a prediction from acceptance.json: say whether these prompts are the text it came from
         try:
             choice["prompts_unseen_by_alpha"] = check_unseen(prompts, Path(choice["acceptance_json"]))
         except UserError as e:  # serving may decode anything; a benchmark (scripts/bench*.py) refuses instead
             log.warning("%s", e)
             choice["prompts_unseen_by_alpha"] = "overlap"
-    adaptive = None
-    if setting.get("adaptive"):
-        costs = choice["costs"]
-        adaptive = Adaptive(choice["prior"], costs["r"], costs["c"], settings=choice["settings"],
-                            pass_s=costs["target_pass_1_s"])
-    run_head = None if setting.get("gamma") == 0 and not adaptive else head  # plain decoding needs no commits
+    run_head = None if setting.kind == "plain" else head  # plain decoding needs no commits
     tree = None if adaptive else make_tree(setting, device)  # adaptive builds its own candidates' trees
     try:
-        dec = Decoder(model, run_head, sampling, gamma=setting.get("gamma", 0), tree=tree, seed=cfg.seed,
+        dec = Decoder(model, run_head, sampling, gamma=setting.gamma, tree=tree, seed=cfg.seed,
                       adaptive=adaptive)
     except ValueError as e:
         raise UserError(str(e)) from e
@@ -165,7 +160,7 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
             "top_k": cfg.top_k, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
             "prompts": str(cfg.prompts), "num_prompts": len(prompts), "device": device,
             "dtype": str(dtype).removeprefix("torch."),
-            **{k: ([list(p) for p in v] if k == "tree_paths" else v) for k, v in setting.items()},
+            **setting.to_json(),
         },
         "auto": choice,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -173,7 +168,7 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     if adaptive is not None:
-        bench["adaptive_rounds"] = {auto.describe(adaptive.settings[i]): n for i, n in sorted(rounds.items())}
+        bench["adaptive_rounds"] = {adaptive.settings[i].describe(): n for i, n in sorted(rounds.items())}
     (out / "bench.json").write_text(json.dumps(bench, indent=2))  # last: the file holds everything returned
     log.info("%d prompts, %d tokens, %.1f tokens/s, tau %.2f, %d target passes -> %s", len(prompts),
              bench["new_tokens"], bench["tokens_per_s"], bench["tau_measured"], bench["target_passes"], out)

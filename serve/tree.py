@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from heads.errors import UserError
+from serve.setting import Setting
 from serve.verify import tree_attention_bias
 
 # A 24-node cut of Medusa's mc_sim_7b_63 tree (the most-visited paths first): depth 4, wide at the top.
@@ -171,17 +172,17 @@ class DynamicTree:
                          tree_attention_bias(tree_parents, torch.float32, device), None, "fixed")
 
 
-def build_tree(setting: dict, device) -> StaticTree | DynamicTree | None:
-    """The tree a setting ({"tree": "static", "tree_paths"} or {"tree": "dynamic", "tree_depth", ...}) names;
-    None for a chain."""
-    if setting.get("tree") == "static":
-        return StaticTree(setting["tree_paths"], device)
-    if setting.get("tree") == "dynamic":
-        return DynamicTree(setting["tree_depth"], setting["tree_top_k"], setting["tree_total_tokens"])
-    return None
+def build_tree(setting: Setting, device) -> StaticTree | DynamicTree | None:
+    """The tree a setting names (static: its paths; dynamic: depth, top_k, total_tokens); None for a chain, plain
+    decoding or an adaptive setting (whose candidates each name their own)."""
+    if setting.kind != "tree" or setting.adaptive:
+        return None
+    if setting.tree == "static":
+        return StaticTree(setting.tree_paths, device)
+    return DynamicTree(setting.tree_depth, setting.tree_top_k, setting.tree_total_tokens)
 
 
-def make_tree(setting: dict, device) -> StaticTree | DynamicTree | None:
+def make_tree(setting: Setting, device) -> StaticTree | DynamicTree | None:
     """build_tree for a setting the user wrote: what does not make a tree is one UserError line."""
     try:
         return build_tree(setting, device)

@@ -128,7 +128,7 @@ def test_published_layout_variants(tiny_target, tmp_path):
     torch.save(file, medusa / "medusa_lm_head.pt")
     head = imported(medusa, tiny_target, "medusa", num_steps=2, num_layers=2)
     ids = torch.randint(0, V, (1, 8), generator=g)
-    h = tiny_target.features(ids).last_hidden
+    h = tiny_target.features(ids).hidden[tiny_target.dims.num_layers]  # the final-norm output Medusa reads
     for k in range(2):
         w, b = block[str(k)]
         x = h + torch.nn.functional.silu(h @ w.T + b)

@@ -13,6 +13,7 @@ from serve import adaptive as adaptive_module
 from serve import generate as generate_module
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, generate
+from serve.setting import Costs
 from tests.serve.conftest import OracleHead, assert_same_greedy, hf_greedy, perturbed_head, runner_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,12 +24,12 @@ R = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6}  # r(n): a target pass over n tokens ÷ one
 def flip_prone(**kw) -> Adaptive:
     """Speculation pays iff the running α at position 1 exceeds ~0.4, and the estimate follows the last rounds:
     at the chaotic target's α ≈ 0.4 (T = 1) it switches often."""
-    return Adaptive([0.45, 0.45, 0.45], R, 0.2,
+    return Adaptive([0.45, 0.45, 0.45], Costs(R, 0.2),
                     **{"prior_weight": 0.5, "decay": 0.5, "probe_every": 2, "probe_max": 2, **kw})
 
 
 def test_switches_off_probes_and_returns():
-    ad = Adaptive([0.9, 0.9, 0.9], R, 0.1, prior_weight=2.0, probe_every=4)
+    ad = Adaptive([0.9, 0.9, 0.9], Costs(R, 0.1), prior_weight=2.0, probe_every=4)
     assert ad.choose() == 3  # the prior alone: cheap drafts, good α
     for _ in range(6):  # a stretch of text where nothing is accepted
         ad.observe(1, [0.0])
@@ -46,7 +47,7 @@ def test_a_compile_inside_a_timed_round_does_not_keep_speculation_on():
     """The prior predicts γ = 1 pays 1.04x (τ 1.35 over r(2) + c = 1.3), but a drafted round really costs 1.45 plain
     rounds (0.93x). The first timed plain round is a 2 s compile: counted, it would make every drafted round look
     nearly free in its units, and speculation would never go off nor time a plain round again."""
-    ad = Adaptive([0.35], {1: 1.0, 2: 1.2}, 0.1, prior_weight=2.0, pass_s=0.01)
+    ad = Adaptive([0.35], Costs({1: 1.0, 2: 1.2}, 0.1), prior_weight=2.0, pass_s=0.01)
     seconds = {0: 0.01, 1: 0.0145}
     ad.observe_time(0, 2.0)  # the warm-up compiles the plain pass
     picks = []
@@ -70,7 +71,7 @@ def test_plain_rounds_do_not_rescore(monkeypatch):
     calls = []
     real = adaptive_module.predict
     monkeypatch.setattr(adaptive_module, "predict", lambda *a, **k: calls.append(1) or real(*a, **k))
-    ad = Adaptive([0.05, 0.02], {1: 1.0, 2: 1.2, 3: 1.4}, 0.2, pass_s=0.01, probe_every=100)
+    ad = Adaptive([0.05, 0.02], Costs({1: 1.0, 2: 1.2, 3: 1.4}, 0.2), pass_s=0.01, probe_every=100)
     built = len(calls)  # __post_init__'s cost of each setting
     picks = []
     for _ in range(30):
@@ -102,7 +103,7 @@ def test_adaptive_greedy_equals_target(family, chaotic_target):
     head = perturbed_head(family, chaotic_target, model)
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(9))
     ref, gaps = hf_greedy(chaotic_target.model, prompt, 40)
-    weak = Adaptive([0.6, 0.5, 0.4], R, 0.1, prior_weight=1.0, probe_every=3)
+    weak = Adaptive([0.6, 0.5, 0.4], Costs(R, 0.1), prior_weight=1.0, probe_every=3)
     out, stats = generate(Decoder(model, head, adaptive=weak), prompt, 40)
     assert_same_greedy(out, ref, gaps)
     rounds = stats.summary()["rounds_per_draft_depth"]

@@ -11,8 +11,9 @@ import torch
 
 from serve import auto
 from serve import generate as generate_module
-from serve.adaptive import Adaptive, kind
+from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, generate
+from serve.setting import Costs, Setting
 from tests.serve.conftest import OracleHead, assert_same_greedy, hf_greedy, perturbed_head, runner_model
 from tests.serve.test_adaptive import pit_pvalue
 
@@ -20,9 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # cheap width, dear draft steps: at α ≈ 0.45 a small tree, γ = 1 and plain decoding are all close calls
 R = {n: 1.0 + 0.03 * (n - 1) for n in (1, 2, 3, 4, 8, 12, 18, 25)}
-DYNAMIC = [{"gamma": 0}, {"gamma": 1}, {"gamma": 2},
-           {"tree": "dynamic", "tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 3},
-           {"tree": "dynamic", "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 6}]
+DYNAMIC = [Setting.chain(0), Setting.chain(1), Setting.chain(2), Setting.dynamic_tree(2, 2, 3),
+           Setting.dynamic_tree(3, 2, 6)]
 
 
 def settings_for(family):
@@ -32,17 +32,17 @@ def settings_for(family):
 
 
 def flip_prone(family) -> Adaptive:
-    return Adaptive([0.45] * 3, R, 0.3, prior_weight=0.5, decay=0.5, probe_every=2, probe_max=2,
+    return Adaptive([0.45] * 3, Costs(R, 0.3), prior_weight=0.5, decay=0.5, probe_every=2, probe_max=2,
                     settings=settings_for(family))
 
 
 def kinds(dec) -> Counter:
     """Rounds per kind of setting in the decoder's last request: plain, chain, tree."""
-    return Counter(kind(dec.adaptive.settings[i]) for i in dec.trace)
+    return Counter(dec.adaptive.settings[i].kind for i in dec.trace)
 
 
 def test_tree_rounds_count_sibling_trials():
-    ad = Adaptive([0.5, 0.5], R, 0.3, prior_weight=1.0, decay=1.0, settings=DYNAMIC)
+    ad = Adaptive([0.5, 0.5], Costs(R, 0.3), prior_weight=1.0, decay=1.0, settings=DYNAMIC)
     # root 0 has children 1, 2, 3; node 2 has children 4, 5; node 4 has child 6
     parents = [-1, 0, 0, 0, 2, 2, 4]
     ad.observe_tree(parents, [0, 2, 5])  # depth 1: 2 tried, one kept; depth 2: 2 tried, one kept; 5 is a leaf
@@ -58,11 +58,11 @@ def test_tree_rounds_count_sibling_trials():
 def test_round_times_correct_the_cost_model():
     """Drafted rounds that take 5 plain rounds where the model says 1.9: speculation goes off, for chains; trees,
     not yet timed, are still scored by the model alone, so the next probe tries one."""
-    ad = Adaptive([0.9, 0.9, 0.9], R, 0.1, pass_s=0.01, settings=DYNAMIC)
+    ad = Adaptive([0.9, 0.9, 0.9], Costs(R, 0.1), pass_s=0.01, settings=DYNAMIC)
     assert ad.choose() == 0  # the unit first: plain rounds are timed before anything drafts
     ad.observe_time(0, 0.01)
     ad.observe_time(0, 0.01)
-    assert ad.settings[ad.choose()].get("tree")  # the model alone: cheap width, good α
+    assert ad.settings[ad.choose()].kind == "tree"  # the model alone: cheap width, good α
     for _ in range(20):
         ad.observe_time(0, 0.01)
         ad.observe_time(2, 0.05)  # γ = 2: model cost r(3) + 2c = 1.26
@@ -138,8 +138,8 @@ def test_auto_reads_the_chain_figures(tmp_path):
     path.write_text(json.dumps(record))
     new = auto.read_acceptance(path, 0.0)
     assert new["source"] == auto.CHAIN_WALK and new["alpha"] == [0.8, 0.5] and new["tau_chain"] == {1: 1.7, 2: 1.9}
-    costs = {"r": {1: 1.0, 2: 1.0, 3: 1.0}, "c": 0.0}
+    costs = Costs({1: 1.0, 2: 1.0, 3: 1.0}, 0.0)
     table = auto.choose("eagle", None, new["alpha"], costs, None, new["tau_chain"])["table"]
     assert [row["tau_predicted"] for row in table] == [1.0, 1.7, 1.9]  # the walk, not 1 + 0.8 + 0.8·0.5
-    tree = {"tree": "dynamic", "tree_depth": 2, "tree_top_k": 1, "tree_total_tokens": 2}
-    assert auto.predict(tree, new["alpha"], costs["r"], 0.0)["tau_predicted"] == pytest.approx(1 + 0.8 + 0.4)
+    tree = Setting.dynamic_tree(2, 1, 2)
+    assert auto.predict(tree, new["alpha"], costs)["tau_predicted"] == pytest.approx(1 + 0.8 + 0.4)

@@ -9,6 +9,7 @@ import torch
 from heads.losses import tau_predicted
 from serve import auto
 from serve.generate import Sampling
+from serve.setting import Costs, Setting
 from serve.tree import MEDUSA_TREE, DynamicTree, StaticTree, expected_tau_dynamic, expected_tau_paths
 from tests.serve.conftest import perturbed_head, runner_model
 
@@ -103,13 +104,13 @@ def test_measured_rank_rates_set_the_siblings():
 def test_choose_maximises_predicted_speedup(tmp_path):
     alphas = [0.9, 0.85, 0.8, 0.75]
     r = {n: 1.0 + 0.02 * (n - 1) for n in range(1, 70)}
-    cheap = auto.choose("eagle", None, alphas, {"r": r, "c": 0.01}, None)
-    assert cheap["choice"] == {"gamma": 4}
-    dear = auto.choose("eagle", None, alphas, {"r": r, "c": 0.8}, None)
-    assert dear["choice"] == {"gamma": 1}
+    cheap = auto.choose("eagle", None, alphas, Costs(r, 0.01), None)
+    assert cheap["choice"] == Setting.chain(4)
+    dear = auto.choose("eagle", None, alphas, Costs(r, 0.8), None)
+    assert dear["choice"] == Setting.chain(1)
     assert all(row["speedup_predicted"] <= dear["predicted"]["speedup_predicted"] for row in dear["table"])
-    tree = auto.choose("eagle", None, alphas, {"r": r, "c": 0.01}, "dynamic")
-    assert tree["choice"]["tree"] == "dynamic"  # nearly free width: a tree beats the chain
+    tree = auto.choose("eagle", None, alphas, Costs(r, 0.01), "dynamic")
+    assert tree["choice"].tree == "dynamic"  # nearly free width: a tree beats the chain
     (tmp_path / "acceptance.json").write_text('{"alpha": [0.5], "temperature": 0.0, '
                                               '"alpha_by_temperature": {"0.0": [0.5], "1.0": [0.7, 0.6]}}')
     assert auto.read_alphas(auto.find_acceptance(tmp_path / "head"), 0.9) == ([0.7, 0.6], 1.0)
@@ -118,26 +119,26 @@ def test_choose_maximises_predicted_speedup(tmp_path):
 def test_plain_decoding_wins_when_nothing_pays():
     alphas = [0.3, 0.2]
     r = {1: 1.0, 2: 1.1, 3: 1.8}
-    record = auto.choose("eagle", None, alphas, {"r": r, "c": 0.3}, None)
-    assert record["choice"] == {"gamma": 0} and record["predicted"]["speedup_predicted"] == 1.0
+    record = auto.choose("eagle", None, alphas, Costs(r, 0.3), None)
+    assert record["choice"].kind == "plain" and record["predicted"]["speedup_predicted"] == 1.0
     assert all(row["speedup_predicted"] < 1.0 for row in record["table"] if row.get("gamma") != 0)
     # the same head on cheaper hardware pays: γ = 1 predicts (1 + 0.3) / (1.1 + 0.05) > 1
-    assert auto.choose("eagle", None, alphas, {"r": r, "c": 0.05}, None)["choice"] == {"gamma": 1}
+    assert auto.choose("eagle", None, alphas, Costs(r, 0.05), None)["choice"] == Setting.chain(1)
 
 
 def test_round_excess_moves_the_choice_off_a_dear_kind():
     """The same α and passes: with a round's excess counted a tree that wins on its passes loses to a chain, and
     with every drafted kind dear plain decoding wins; in plain-round units plain stays exactly 1."""
     alphas, r = [0.6, 0.5, 0.4], {n: 1.0 + 0.01 * (n - 1) for n in range(1, 70)}
-    costs = {"r": r, "c": 0.05}
-    assert auto.choose("eagle", None, alphas, costs, "dynamic")["choice"].get("tree") == "dynamic"
+    costs = Costs(r, 0.05, pass_s=0.01)
+    assert auto.choose("eagle", None, alphas, costs, "dynamic")["choice"].tree == "dynamic"
     chain = auto.choose("eagle", None, alphas, costs, "dynamic", excess={"plain": 0.1, "chain": 0.2, "tree": 2.0})
-    assert "gamma" in chain["choice"] and chain["choice"]["gamma"] > 0, chain["predicted"]
+    assert chain["choice"].kind == "chain" and chain["choice"].gamma > 0, chain["predicted"]
     off = auto.choose("eagle", None, alphas, costs, "dynamic", excess={"plain": 0.1, "chain": 3.0, "tree": 3.0})
-    assert off["choice"] == {"gamma": 0} and off["predicted"]["speedup_predicted"] == 1.0
+    assert off["choice"].kind == "plain" and off["predicted"]["speedup_predicted"] == 1.0
     # the excess is the timed round less its passes, in passes: 30 ms rounds over 10 ms passes
-    timed = [{"gamma": 0}, {"gamma": 2}]
-    excess = auto.round_excess(timed, [0.012, 0.030], {"target_pass_1_s": 0.01, **costs}, alphas)
+    timed = [Setting.chain(0), Setting.chain(2)]
+    excess = auto.round_excess(timed, [0.012, 0.030], costs, alphas)
     assert excess["plain"] == pytest.approx(0.2) and excess["chain"] == pytest.approx(3.0 - (r[3] + 2 * 0.05))
 
 
@@ -157,16 +158,16 @@ def test_calibrated_choice_sees_what_a_tree_round_costs(tiny_target, monkeypatch
 
     monkeypatch.setattr(calibrate, "accept", slow_tree_accept)
     alphas = [0.6, 0.5, 0.4]
-    costs = {"r": {n: 1.0 + 0.01 * (n - 1) for n in range(1, 70)}, "c": 0.05}
     model.setup_cache(8)
-    costs["target_pass_1_s"] = auto._seconds(lambda: model(torch.ones(1, 1, dtype=torch.long), 0), 5)
+    one = auto._seconds(lambda: model(torch.ones(1, 1, dtype=torch.long), 0), 5)
+    costs = Costs({n: 1.0 + 0.01 * (n - 1) for n in range(1, 70)}, 0.05, pass_s=one)
     record = calibrate.choose(model, head, Sampling(), alphas, costs, "dynamic")
     assert record["passes_only_choice"]["setting"].startswith("dynamic tree"), record["passes_only_choice"]
     assert set(record["round_excess"]) == {"plain", "chain", "tree"}
-    extra = 0.04 / costs["target_pass_1_s"]  # the sleep, in passes
+    extra = 0.04 / costs.pass_s  # the sleep, in passes
     gap = record["round_excess"]["tree"] - record["round_excess"]["chain"]
     assert 0.8 * extra < gap < 1.5 * extra + 3, (gap, extra, record["round_excess"])
-    assert "tree" not in record["choice"], record["predicted"]
+    assert record["choice"].kind != "tree", record["predicted"]
 
 
 def test_measure_costs_follows_the_clock(tiny_target):
@@ -190,5 +191,5 @@ def test_measure_costs_follows_the_clock(tiny_target):
     costs = auto.measure_costs(model, head, [1, 2, 5], context=16, reps=2)
     assert {(1, 16), (2, 16), (5, 16)} <= set(calls)  # every timed pass ran after the 16 cached tokens
     # r(n) = (40n ms + overhead) / (40 ms + overhead): the tiny model's own overhead is ~15 ms at most
-    assert 1.5 < costs["r"][2] < 2.3 and 3.3 < costs["r"][5] < 5.6, costs["r"]
-    assert 1.8 < costs["c"] < 3.6, costs["c"]  # 120 ms ÷ (40 ms + overhead)
+    assert 1.5 < costs.target_pass(2) < 2.3 and 3.3 < costs.target_pass(5) < 5.6, costs
+    assert 1.8 < costs.draft_step < 3.6, costs  # 120 ms ÷ (40 ms + overhead)
