@@ -6,7 +6,8 @@ and the same prompt token ids. What must hold:
 - the acceptance the engine itself counts (vLLM's ``llm.get_metrics()``) equals what serve/ measures for the same
   head on the same prompts, per draft position, within a few percent; a random head stays near 0;
 - speculators' own loader builds the model from the files with every tensor used;
-- llama.cpp converts the EAGLE-3 export and accepts clearly more of a trained head's drafts than a random one's.
+- llama.cpp converts the EAGLE-3 export, its greedy answers with the draft are llama-simple's without one, and it
+  accepts clearly more of a trained head's drafts than a random one's.
 
 Heads are SmolLM2-135M heads briefly distilled on the target's answers to the test prompts (engine_helpers.py):
 vLLM's CPU attention rejects stories260K's head_dim 8. Skips when an engine cannot be installed, unless
@@ -223,7 +224,7 @@ def llamacpp(case):
     gguf = case["tmp"] / "target-f32.gguf"
     with timed("llama.cpp convert target"):
         convert(venv, case["target_dir"], gguf)
-    return {"venv": venv, "target_gguf": gguf}
+    return {"venv": venv, "target_gguf": gguf, "plain": {}}
 
 
 def convert(venv: Path, src: Path, out: Path, *extra: str) -> None:
@@ -231,6 +232,26 @@ def convert(venv: Path, src: Path, out: Path, *extra: str) -> None:
                            "--outtype", "f32", "--outfile", str(out), *extra],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ""})
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+
+
+def answer_text(stdout: str, prompt: str) -> str:
+    """What a llama.cpp example printed after echoing the prompt. Both examples end with newlines of their own
+    (llama-simple one, llama-speculative-simple four), so trailing newlines are not compared."""
+    assert prompt in stdout, stdout[-3000:]
+    return stdout.split(prompt, 1)[1].rstrip("\n")
+
+
+def plain_simple(llamacpp, prompt: str) -> tuple[str, int]:
+    """llama-simple's greedy answer (no draft) and how many tokens it decoded: llama.cpp's own plain decoding."""
+    if prompt not in llamacpp["plain"]:
+        cmd = [str(llamacpp["venv"] / "bin" / "llama-simple"), "-m", str(llamacpp["target_gguf"]),
+               "-n", str(MAX_NEW_TOKENS), prompt]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        decoded = re.search(r"decoded (\d+) tokens", proc.stderr)
+        assert decoded, proc.stderr[-3000:]
+        llamacpp["plain"][prompt] = answer_text(proc.stdout, prompt), int(decoded.group(1))
+    return llamacpp["plain"][prompt]
 
 
 def speculative_simple(llamacpp, draft_gguf: Path, prompt: str) -> dict:
@@ -244,10 +265,11 @@ def speculative_simple(llamacpp, draft_gguf: Path, prompt: str) -> dict:
     log = proc.stdout + proc.stderr
     stats = {k: int(m.group(1)) for k in ("n_drafted", "n_accept") if (m := re.search(rf"{k}\s*=\s*(\d+)", log))}
     assert len(stats) == 2, log[-3000:]
-    return stats
+    return {**stats, "text": answer_text(proc.stdout, prompt)}
 
 
 def llamacpp_acceptance(llamacpp, case, name: str) -> float:
+    """Accepted / drafted over three prompts, each answer checked against llama.cpp's plain greedy answer."""
     export_dir = export(case, name, "llamacpp")
     gguf = export_dir / "draft-eagle3.gguf"
     with timed(f"llama.cpp convert {name}"):
@@ -260,6 +282,12 @@ def llamacpp_acceptance(llamacpp, case, name: str) -> float:
                                            tokenize=False)
             s = speculative_simple(llamacpp, gguf, text)
             drafted, accepted = drafted + s["n_drafted"], accepted + s["n_accept"]
+            plain, decoded = plain_simple(llamacpp, text)
+            assert plain, f"llama-simple printed no answer to {p!r}"
+            if decoded < MAX_NEW_TOKENS:  # plain decoding stopped at EOS: speculation must stop there too
+                assert s["text"] == plain, (name, p, s["text"], plain)
+            else:  # speculation may run a round past -n: plain's answer is where it starts
+                assert s["text"].startswith(plain), (name, p, s["text"], plain)
     print(f"[engines] llama.cpp {name}: accepted {accepted}/{drafted} drafted tokens", file=sys.stderr)
     assert drafted > 0
     return accepted / drafted
