@@ -45,8 +45,12 @@ def test_bench_fixed_gamma_is_one_chain_per_head(tmp_path):
     rows = {r["method"]: r for r in report["results"]["0.0"]}
     assert set(rows) == {"hf_generate", "vanilla", "medusa (untrained): chain γ=2", "eagle (untrained): chain γ=2"}
     for name in ("medusa (untrained): chain γ=2", "eagle (untrained): chain γ=2"):
-        assert rows[name]["setting"] == {"gamma": 2} and rows[name]["tau_measured"] >= 1.0
+        # a chain reaches step 2 exactly when step 1 is kept: τ = 1 + r1 + r1 r2 from the row's own rates
+        r1, r2 = rows[name]["accept_rate_per_position"]
+        assert rows[name]["setting"] == {"gamma": 2}
+        assert rows[name]["tau_measured"] == pytest.approx(1 + r1 + r1 * (r2 or 0.0)), rows[name]
         assert rows[name]["tokens"] == rows["hf_generate"]["tokens"]
+    assert rows["medusa (untrained): chain γ=2"]["accept_rate_per_position"][0] > 0  # one row is not 1 = 1 + 0
     assert all(sorted(map(int, c["r"])) == [1, 3] for c in report["costs"].values())
 
 

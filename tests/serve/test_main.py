@@ -120,7 +120,11 @@ def test_static_tree_sampling_runs(files, tmp_path):
                       "tree=static", "temperature=1.0", "top_p=0.9"), tmp_path)
     assert bench["settings"]["tree"] == "static" and bench["target_passes"] > 0
     assert 0 < bench["new_tokens"] <= 30  # 3 prompts x 10 tokens; an EOS may stop one early
-    assert all(0 <= r <= 1 for r in bench["accept_rate_per_position"] if r is not None)
+    # the counts a round leaves: depth i + 1 is reached exactly when depth i was kept, and τ is what they add up to
+    reached, kept = bench["reached_per_position"], bench["accepted_per_position"]
+    assert reached[0] == bench["target_passes"] and reached[1:] == kept[:-1] and kept[0] > 0, bench
+    assert bench["accept_rate_per_position"] == pytest.approx([k / r if r else None for k, r in zip(kept, reached)])
+    assert bench["tau_measured"] == pytest.approx(1 + sum(kept) / bench["target_passes"])
 
 
 @pytest.mark.parametrize("overrides,message", [
