@@ -50,9 +50,10 @@ def test_outputs_and_acceptance_json(fast_cfg, tmp_path):
     assert saved["tau_product_of_alpha"]["1"] == pytest.approx(1 + saved["alpha"][0])
     assert saved["alpha_chain"][0] == pytest.approx(saved["alpha"][0])  # step 1 is not conditioned on anything
     taus = [saved["tau_predicted"][g] for g in ("1", "2", "3")]
-    assert 1.0 <= taus[0] <= taus[1] <= taus[2] <= 1 + sum(saved["alpha"])
+    assert 1.0 < taus[0] <= taus[1] <= taus[2] <= 1 + sum(saved["alpha"])  # α > 0 (below): rounds emit > 1 token
     assert set(saved["text_by_temperature"]) == {"0.0", "1.0"}
-    # rank 0's hit rate is greedy α by another route (top-k of the draft against the 0/1 match of Σ min(p, q))
+    # rank 0's hit rate reads the same logits as α (acceptance_grid): equal by bookkeeping. What α counts is checked
+    # against a loop over anchors in test_greedy_alpha_is_a_count_over_anchors
     ranks = saved["alpha_rank_by_temperature"]
     assert set(ranks) == {"0.0"} and [row[0] for row in ranks["0.0"]] == pytest.approx(saved["alpha"])
     assert all(sum(row) <= 1 + 1e-9 and row[1] > 0 for row in ranks["0.0"]), ranks  # distinct ranks, siblings hit
@@ -202,3 +203,66 @@ def test_llama2_config_resolves_without_download():
     assert "name: meta-llama/Llama-2-7b-chat-hf" in proc.stdout and "name: eagle" in proc.stdout
     assert "feature_loss_weight" in proc.stdout and "chat_format: llama-2" in proc.stdout
     assert "max_steps: 1000" in proc.stdout and "accelerator: auto" in proc.stdout  # the target's defaults
+
+
+def held_out_batches(target, seed=0, B=3, T=40):
+    """Two batches of random text with two answer spans a row, one row right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for i in range(2):
+        ids = torch.randint(0, target.dims.vocab_size, (B, T), generator=g)
+        attn = torch.ones(B, T, dtype=torch.long)
+        attn[1, 30 + i:] = 0
+        loss = torch.zeros(B, T, dtype=torch.bool)
+        loss[:, 8:20] = True
+        loss[:, 24:T - 1] = True
+        loss &= attn.bool() & attn.roll(-1, 1).bool()  # no anchor whose next token is padding
+        batches.append({"input_ids": ids, "attention_mask": attn, "loss_mask": loss})
+    return batches
+
+
+# family -> (std of the target's weights, 0: tiny-random's own; std of the head's perturbation): a head that is
+# right at some anchors of every step and wrong at others
+ALPHA_CASES = {"medusa": (0.05, 0.0), "eagle3": (0.02, 0.0)}
+
+
+@pytest.mark.parametrize("family", sorted(ALPHA_CASES))
+def test_greedy_alpha_is_a_count_over_anchors(family):
+    """acceptance.json's greedy α (train.acceptance.measure) against a loop over anchors written out here: step k
+    at anchor t is kept when the head's top token at t is the target's argmax at t + k, counted where the token
+    after t + k is trained. A step read at the wrong anchor, a mask off by one or counts pooled the wrong way miss
+    it; rank 0's hit rate (acceptance_grid's other reading of the same logits) must be that count too."""
+    from heads.target import load_target
+    from serve.model import Transformer
+    from tests.serve.conftest import perturbed_head
+    from train.acceptance import measure
+
+    target_std, head_std = ALPHA_CASES[family]
+    target = load_target("tiny-random")
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in target.model.parameters():
+            if target_std and p.dim() == 2:
+                p.normal_(0, target_std, generator=g)
+    torch.manual_seed(0)  # the head's layers that init_from_target leaves random
+    head = perturbed_head(family, target, Transformer.from_hf(target.model), std=head_std)
+    batches = held_out_batches(target)
+    got = measure({"h": head}, target, batches, [0.0])["h"][0.0]
+    K = head.num_steps
+    hits, counts = [0] * K, [0] * K
+    with torch.no_grad():
+        for b in batches:
+            feats = target.features(b["input_ids"], b["loss_mask"], b["attention_mask"], layers=head.feature_layers)
+            logits = head(feats).logits  # K x [B, T, V_draft]: step k at anchor t predicts x_{t+1+k}
+            B, T = b["input_ids"].shape
+            for k in range(1, K + 1):
+                for r in range(B):
+                    for t in range(T - k):
+                        if b["loss_mask"][r, t + k]:
+                            counts[k - 1] += 1
+                            draft = int(head.to_target_vocab(logits[k - 1][r, t][None]).argmax())
+                            hits[k - 1] += draft == int(feats.target_logits[r, t + k].argmax())
+    assert all(0 < h < c for h, c in zip(hits, counts)), (hits, counts)  # hits and misses: the count can tell
+    assert got["num_tokens"] == counts
+    assert got["alpha"] == pytest.approx([h / c for h, c in zip(hits, counts)], abs=1e-12)
+    assert [row[0] for row in got["alpha_rank"]] == pytest.approx(got["alpha"], abs=1e-12)
