@@ -16,7 +16,11 @@ def test_bf16_target_trains_fp32_head(name, fast_cfg, tmp_path):
                    "trainer.val_check_interval=2", out=tmp_path / name)
     record = train(cfg)
     assert len(record["alpha"]) == cfg.head.hparams.num_steps and record["num_tokens"] > 100
-    assert all(0.0 <= a <= 1.0 for a in record["alpha"] + record["alpha_untrained"])
+    # greedy α counts matches over the scored anchors: whole numbers of them (a path that measured soft overlaps in
+    # bf16, or divided by another count, would not give them)
+    assert record["temperature"] == 0.0
+    hits = [a * n for a, n in zip(record["alpha"] + record["alpha_untrained"], record["num_tokens_per_step"] * 2)]
+    assert all(abs(h - round(h)) < 1e-6 for h in hits), hits
     from safetensors.torch import load_file
 
     weights = load_file(str(tmp_path / name / "head" / "model.safetensors"))
