@@ -151,7 +151,7 @@ def prepare(head_path, fmt: str, target_path: str | None = None, target_dtype: s
         target = load_target(target_name, path=target_path, dtype=target_dtype)
     except (OSError, ValueError) as e:  # FileNotFoundError is an OSError; from_pretrained raises both
         raise UserError(f"cannot load target {target_path or target_name}: {str(e).splitlines()[0]}") from e
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     recommended, acceptance = measurements(head_path, head_config, bench)
     ctx = ExportContext(
         head=head.eval(), head_config=head_config, target_identity=target.identity(),

@@ -87,7 +87,7 @@ def head_logits(head_config: dict, state: dict, target, feats, num_steps: int, d
     comparison measures the key map and the engine semantics, not bf16 rounding. Target-vocab logits [B, T-K, V]."""
     head = build_head(head_config["family"], TargetDims(**head_config["dims"]), **head_config["hparams"])
     head.load_state_dict({k: v.to(dtype).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()})
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     head.eval()  # what drafting computes (EAGLE-1: the full lm_head, not its training loss vocabulary)
     T = feats.input_ids.shape[1]
     with torch.no_grad():

@@ -210,12 +210,18 @@ class DraftHead(nn.Module):
         self._frozen: dict[str, nn.Module] = {}
 
     # -- target wiring -------------------------------------------------------------------------------------
-    def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module, final_norm: nn.Module) -> None:
+    def attach_target(self, target) -> None:
+        """Wire in the frozen target's modules: a heads.target.Target (or anything with embed_tokens, lm_head
+        and final_norm)."""
+        self.attach_modules(target.embed_tokens, target.lm_head, target.final_norm)
+
+    def attach_modules(self, embed_tokens: nn.Module, lm_head: nn.Module, final_norm: nn.Module) -> None:
+        """The same from modules named one by one: another runner's own (serve/), or a lm_head sliced or shared."""
         self._frozen = {"embed_tokens": embed_tokens, "lm_head": lm_head, "final_norm": final_norm}
 
     def frozen(self, name: str) -> nn.Module:
         if name not in self._frozen:
-            raise RuntimeError(f"{type(self).__name__}: call attach_target(...) before using the head")
+            raise RuntimeError(f"{type(self).__name__}: call attach_target(target) before using the head")
         return self._frozen[name]
 
     def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:

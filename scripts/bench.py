@@ -105,7 +105,7 @@ def load_heads(args, dirs, target, model) -> list[dict]:
         heads.append({"head": head, "dir": path, "label": f"{head.family}"})
     for family in args.untrained:
         head = build_head(family, target.dims, num_steps=3)
-        head.attach_target(model.embed_tokens, model.lm_head, model.norm)
+        head.attach_modules(model.embed_tokens, model.lm_head, model.norm)
         head.init_from_target()
         heads.append({"head": head, "dir": None, "label": f"{family} (untrained)"})
     for h in heads:

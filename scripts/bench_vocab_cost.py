@@ -71,7 +71,7 @@ def main():
     methods = {"full vocab (before)": full_vocab_loss, "scored rows (head_loss)": head_loss}
     for family in args.families:
         head = build_head(family, target.dims)
-        head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+        head.attach_target(target)
         head.init_from_target()
         feats = target.features(batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
                                 layers=head.feature_layers)

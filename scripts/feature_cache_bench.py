@@ -25,7 +25,7 @@ def run(out: Path, *overrides: str) -> tuple[dict, float]:
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose("config", overrides=[f"out_dir={out}", *BASE, *sys.argv[1:], *overrides])
     t0 = time.perf_counter()
-    record = job.train(cfg)
+    record = job.run(cfg)
     return record, time.perf_counter() - t0
 
 

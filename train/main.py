@@ -8,17 +8,18 @@
 Outputs land in the Hydra run directory (``hydra.run.dir=DIR``): ``acceptance.json`` (α per draft position, trained
 and untrained, predicted τ), ``head/`` (the native head: config.json + model.safetensors), ``checkpoints/last.ckpt``
 (Lightning, for ``resume=true``), ``alpha.png`` and the logger's files (W&B offline by default).
-``train(cfg)`` is a plain function (tests call it with a composed config); ``main`` wraps it for the command line
-and turns ``UserError`` into one line that says what to fix.
+``run(cfg)`` is a plain function (tests call it with a composed config): it converts the config once (``Job``) and
+dispatches on ``mode`` to ``train`` (``fit``, then ``measure_and_save``), ``evaluate_saved`` or ``distill_step``;
+``main`` wraps it for the command line and turns ``UserError`` into one line that says what to fix.
 """
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 import torch
@@ -28,14 +29,48 @@ from heads import build_head
 from heads.base import DraftHead
 from heads.checkpoint import check_target, load_head, save_head
 from heads.chat import MissingChatTemplate
-from heads.target import Target, load_target, resolve_dtype, shared_dir
+from heads.target import Target, load_target, shared_dir
 from train import UserError
+from train.trainer import build_trainer, resolve_hardware
+
+if TYPE_CHECKING:  # imported for real inside the functions that use them (see below)
+    import lightning as L
+
+    from train.data import DataConfig, DraftDataModule
+    from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
+    from train.regenerate import RegenConfig
+    from train.selection import BestHead
 
 # Lightning, the data pipeline and matplotlib load inside the functions that use them, so `--cfg job` and
 # `--help` answer in a second or two instead of paying for those imports.
 
 log = logging.getLogger("train")
 OmegaConf.register_new_resolver("shared", lambda p="": str(shared_dir() / p), replace=True)  # ${shared:data/x}
+MODES = ("train", "eval", "distill")
+
+
+@dataclass
+class Job:
+    """The Hydra config converted once into the typed configs the pipeline reads; ``cfg`` keeps the rest (target,
+    head, trainer, logger and the top-level keys), which Hydra and Lightning read as they are."""
+
+    cfg: DictConfig
+    out: Path
+    data: DataConfig
+    distill: RegenConfig
+    loss: LossConfig
+    optim: OptimConfig
+    eval: EvalConfig
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> "Job":
+        from train.data import DataConfig
+        from train.module import EvalConfig, LossConfig, OptimConfig
+        from train.regenerate import RegenConfig
+
+        plain = lambda node: OmegaConf.to_container(node, resolve=True)
+        return cls(cfg, Path(cfg.out_dir), DataConfig.from_dict(plain(cfg.data)), RegenConfig(**plain(cfg.distill)),
+                   LossConfig(**plain(cfg.head.loss)), OptimConfig(**plain(cfg.optim)), EvalConfig(**plain(cfg.eval)))
 
 
 def make_head(cfg: DictConfig, target: Target, state: dict | None = None) -> DraftHead:
@@ -46,7 +81,7 @@ def make_head(cfg: DictConfig, target: Target, state: dict | None = None) -> Dra
     except (ValueError, TypeError) as e:
         raise UserError(f"head {cfg.head.name} does not fit target {target.name}: {e}; fix head.hparams "
                         f"(e.g. head.hparams.aux_layers=null picks layers that fit) or choose another target") from e
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     if state is not None:
         head.load_state_dict(state)
     return head
@@ -56,85 +91,6 @@ def init_head(head: DraftHead, token_counts: torch.Tensor) -> None:
     if hasattr(head, "set_vocab_map"):
         head.set_vocab_map(token_counts)  # EAGLE-3: the draft vocabulary is the training data's frequent tokens
     head.init_from_target()
-
-
-def resolve_strategy(name, options: dict | None):
-    """A Lightning strategy name passes through; others (CPU DeepSpeed) come from train/strategies.py."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    options = options or {}
-    if not isinstance(name, str) or (name in ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed") and not options):
-        return name
-    if name in StrategyRegistry:
-        entry = StrategyRegistry[name]
-        return entry["strategy"](**{**entry["init_params"], **options}) if options else name
-    from train import strategies  # lazy: DeepSpeed is optional and heavy to import
-
-    return strategies.build_strategy(name, **options)
-
-
-def build_logger(cfg: DictConfig):
-    lcfg = cfg.get("logger")
-    if not lcfg or not lcfg.get("_target_"):
-        return False
-    return hydra.utils.instantiate(lcfg)
-
-
-def build_trainer(cfg: DictConfig, out: Path, extra_callbacks=()):
-    import lightning as L
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-
-    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    strategy = resolve_strategy(kwargs.pop("strategy", "auto"), kwargs.pop("strategy_options", None))
-    every = kwargs.pop("checkpoint_every_n_steps", None)
-    logger = build_logger(cfg)
-    callbacks = [ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0,
-                                 every_n_train_steps=every or None), *extra_callbacks]
-    if logger:
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
-    return L.Trainer(strategy=strategy, logger=logger, callbacks=callbacks, default_root_dir=str(out),
-                     use_distributed_sampler=False,  # the DataModule shards its own resumable batches
-                     **kwargs)
-
-
-def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
-    """Fill in ``trainer.accelerator/precision: auto`` from the machine; returns (this rank's device, target dtype).
-
-    No trainer override: every visible GPU in bf16-mixed (fp16-mixed where the GPU has no bf16) when CUDA is
-    present, fp32 on the CPU otherwise; ``precision: bf16-if-native`` picks bf16-mixed on a CPU with AMX or
-    AVX512-BF16 as well. The target is then loaded straight onto this rank's GPU (LOCAL_RANK, set
-    by Lightning's launcher or torchrun) in its dtype: no rank ever holds a full copy of a 7B target in host RAM.
-    """
-    t = cfg.trainer
-    cuda = torch.cuda.is_available()
-    if t.accelerator == "auto":
-        t.accelerator = "gpu" if cuda else "cpu"
-    if t.accelerator in ("gpu", "cuda") and not cuda:
-        raise UserError(f"trainer.accelerator={t.accelerator} but torch sees no CUDA device; drop the GPU trainer "
-                        "override, or add trainer.accelerator=cpu trainer.precision=32-true")
-    on_gpu = t.accelerator in ("gpu", "cuda")
-    if t.precision in ("auto", "bf16-if-native"):
-        if on_gpu:
-            t.precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-        else:  # bf16-if-native: bf16 only with bf16 units (emulated, its matmuls ran 8x slower than fp32:
-            # docs/results/training-and-scaling.md)
-            t.precision = "bf16-mixed" if t.precision == "bf16-if-native" and cpu_has_bf16_units() else "32-true"
-    if str(t.precision).startswith("16") and not on_gpu:
-        raise UserError(f"trainer.precision={t.precision} needs a CUDA device; use 32-true or bf16-mixed on CPU")
-    if str(t.precision).startswith("bf16") and on_gpu and not torch.cuda.is_bf16_supported():
-        raise UserError(f"{torch.cuda.get_device_name()} has no bfloat16; pass trainer.precision=16-mixed "
-                        "target.dtype=float16")
-    if str(t.precision).startswith("bf16") and not on_gpu and not cpu_has_bf16_units():
-        log.warning("trainer.precision=%s on a CPU without AMX or AVX512-BF16: its bf16 matmuls are emulated and "
-                    "slower than trainer.precision=32-true", t.precision)
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu"
-    return device, resolve_dtype(cfg.target.dtype, device)
-
-
-def cpu_has_bf16_units() -> bool:
-    """AMX or AVX512-BF16: where bf16-mixed trains a head faster than fp32 on the CPU (1.3x measured,
-    docs/results/training-and-scaling.md)."""
-    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 def checkpoint_to_resume(cfg: DictConfig, out: Path) -> str | None:
@@ -160,9 +116,8 @@ def prepare_data(data, *args) -> None:
         raise UserError(str(e)) from e
 
 
-def eval_temperatures(cfg: DictConfig) -> list[float]:
+def eval_temperatures(e: EvalConfig) -> list[float]:
     """The main evaluation temperature first, then the extra ones (each measured on its own held-out text)."""
-    e = cfg.eval
     return list(dict.fromkeys([float(e.temperature)] + [float(t) for t in e.extra_temperatures]))
 
 
@@ -172,11 +127,12 @@ def data_description(cfg, data) -> dict:
             "split": "heads/splits.py: within each category in file order, even ranks validation, odd ranks test"}
 
 
-def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
+def evaluate_saved(job: Job, target: Target) -> dict:
     """mode=eval: α of a saved head on held-out files, written to OUT/acceptance.json."""
     from train.acceptance import acceptance_record, measure_sets, with_test_split, write_json
-    from train.data import DataConfig, DraftDataModule
+    from train.data import DraftDataModule
 
+    cfg = job.cfg
     if not cfg.get("head_path"):
         raise UserError("mode=eval needs head_path=DIR/head (the head/ directory a training run wrote)")
     try:
@@ -184,66 +140,82 @@ def evaluate_saved(cfg: DictConfig, target: Target, out: Path) -> dict:
         check_target(config, target.identity())
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from e
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
-    dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
-    data = DraftDataModule(dcfg, target, cfg.seed, mode="eval")
-    e, temps = cfg.eval, eval_temperatures(cfg)
+    head.attach_target(target)
+    data = DraftDataModule(job.data, target, cfg.seed, mode="eval")
+    e, temps = job.eval, eval_temperatures(job.eval)
     prepare_data(data, (), temps, e.top_p)
     measured = measure_sets({"head": head}, target, data.eval_loaders("validation"), e.top_k, e.top_p)
-    record = acceptance_record(config["family"], target.name, data_description(dcfg, data), temps[0],
+    record = acceptance_record(config["family"], target.name, data_description(job.data, data), temps[0],
                                measured["head"], top_k=e.top_k, top_p=e.top_p, texts=data.eval_text)
     tested = measure_sets({"head": head}, target, data.eval_loaders("test"), e.top_k, e.top_p)
     with_test_split(record, tested["head"], data.heldout_keys)
     record["head_path"] = str(cfg.head_path)
-    write_json(out / "acceptance.json", record)
+    write_json(job.out / "acceptance.json", record)
     return record
 
 
-def distill_step(cfg: DictConfig, target: Target, out: Path) -> dict:
+def distill_step(job: Job, target: Target) -> dict:
     """mode=distill: the target answers distill.files into resumable shards (train/regenerate.py)."""
     from train.acceptance import write_json
-    from train.regenerate import RegenConfig, regenerate
+    from train.regenerate import regenerate
 
-    summary = regenerate(RegenConfig(**OmegaConf.to_container(cfg.distill, resolve=True)), target)
-    write_json(out / "summary.json", summary)
+    write_json(job.out / "summary.json", regenerate(job.distill, target))
     return {}
 
 
-def train(cfg: DictConfig) -> dict:
-    """Run the job described by ``cfg``; returns the acceptance record (also written to OUT/acceptance.json)."""
+def run(cfg: DictConfig) -> dict:
+    """Run the job described by ``cfg`` (mode=train | eval | distill); returns the acceptance record (also written
+    to OUT/acceptance.json), {} for distill and on every rank but the first."""
     import lightning as L
 
-    from train.acceptance import acceptance_record, measure_sets, plot_alpha, with_test_split, write_json
-    from train.data import DataConfig, DraftDataModule
-    from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
-    from train.selection import BEST_BY, BestHead, final_choice
-
-    if cfg.mode not in ("train", "eval", "distill"):
+    if cfg.mode not in MODES:
         raise UserError(f"mode={cfg.mode!r}; choose train, eval or distill")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    job = Job.from_cfg(cfg)
+    job.out.mkdir(parents=True, exist_ok=True)
     device, dtype = resolve_hardware(cfg)
     try:
         target = load_target(cfg.target.name, cfg.target.path, dtype, device, cfg.target.get("chat_format"))
     except (FileNotFoundError, OSError, ValueError) as e:
         raise UserError(f"cannot load target {cfg.target.name}: {str(e).splitlines()[0]}") from e
-    if cfg.mode == "eval":
-        return evaluate_saved(cfg, target, out)
-    if cfg.mode == "distill":
-        return distill_step(cfg, target, out)
+    return {"train": train, "eval": evaluate_saved, "distill": distill_step}[cfg.mode](job, target)
 
-    ckpt_path = checkpoint_to_resume(cfg, out)
-    dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
+
+@dataclass
+class Fitted:
+    """What ``fit`` leaves for ``measure_and_save``."""
+
+    head: DraftHead  # the last step's, whole fp32 weights under any strategy
+    init_state: dict  # the untrained head's state dict: the baseline α
+    data: DraftDataModule
+    module: DraftModule
+    trainer: L.Trainer
+    keeper: BestHead  # holds the best mid-run check's head
+
+
+def train(job: Job, target: Target) -> dict:
+    """mode=train: fit a head, then measure it and save the one kept."""
+    fitted = fit(job, target)
+    return measure_and_save(job, target, fitted) if fitted.trainer.is_global_zero else {}
+
+
+def fit(job: Job, target: Target) -> Fitted:
+    """Prepare the data (answered by the target first with distill_first), build and initialise the head, train it."""
+    from train.data import DraftDataModule
+    from train.module import DraftModule
+    from train.selection import BEST_BY, BestHead
+
+    cfg = job.cfg
+    ckpt_path = checkpoint_to_resume(cfg, job.out)
     t0 = time.perf_counter()
     if cfg.get("distill_first"):  # a recipe: the target answers distill.files first (resumable, reused)
-        from train.regenerate import RegenConfig, regenerate
+        from train.regenerate import regenerate
 
-        answers = regenerate(RegenConfig(**OmegaConf.to_container(cfg.distill, resolve=True)), target)
-        dcfg.train_files = [d["files"] for d in answers["datasets"].values()]
+        answers = regenerate(job.distill, target)
+        job.data.train_files = [d["files"] for d in answers["datasets"].values()]
     head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
-    data = DraftDataModule(dcfg, target, cfg.seed)
-    prepare_data(data, head.feature_layers, eval_temperatures(cfg), cfg.eval.top_p)
+    data = DraftDataModule(job.data, target, cfg.seed)
+    prepare_data(data, head.feature_layers, eval_temperatures(job.eval), job.eval.top_p)
     init_head(head, data.token_counts())
     if cfg.get("init_from"):  # fine-tune a saved head: native, SafeAILab EAGLE or FasterDecoding Medusa layout
         from heads.layouts import read_state
@@ -252,39 +224,44 @@ def train(cfg: DictConfig) -> dict:
             head.load_state_dict(read_state(cfg.init_from, head, target.identity()))
         except (OSError, ValueError) as e:
             raise UserError(f"init_from={cfg.init_from}: {e}") from e
-    if dcfg.cache_features:
+    if job.data.cache_features:
         data.cache_features(head.feature_layers)
     log.info("data ready in %.0f s", time.perf_counter() - t0)
     init_state = {k: v.detach().clone() for k, v in head.state_dict().items()}  # the untrained baseline
-    loss = LossConfig(**OmegaConf.to_container(cfg.head.loss, resolve=True))
-    optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
-    ecfg = EvalConfig(**OmegaConf.to_container(cfg.eval, resolve=True))
-    if ecfg.best_by not in BEST_BY:
-        raise UserError(f"eval.best_by={ecfg.best_by!r}; choose {' or '.join(BEST_BY)}")
-    module = DraftModule(head, target, loss, optim, ecfg)
-    keeper = BestHead(out / "checkpoints", ecfg.best_by, target.identity(), resume=ckpt_path is not None)
-    trainer = build_trainer(cfg, out, [keeper])
+    if job.eval.best_by not in BEST_BY:
+        raise UserError(f"eval.best_by={job.eval.best_by!r}; choose {' or '.join(BEST_BY)}")
+    module = DraftModule(head, target, job.loss, job.optim, job.eval)
+    keeper = BestHead(job.out / "checkpoints", job.eval.best_by, target.identity(), resume=ckpt_path is not None)
+    trainer = build_trainer(cfg, job.out, [keeper])
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
     log.info("trained %d steps in %.0f s (%d trained tokens, %.0f tokens/s in training steps)", trainer.global_step,
              time.perf_counter() - t0, module.trained_tokens, module.trained_tokens / max(module.train_seconds, 1e-9))
     from train.strategies import consolidated_head  # lazy: imports Lightning's DeepSpeed strategy
 
-    last = consolidated_head(trainer, module.head)  # whole fp32 weights under any strategy; every rank must call
-    if not trainer.is_global_zero:
-        return {}
+    last = consolidated_head(trainer, module.head)  # every rank must call
+    return Fitted(last, init_state, data, module, trainer, keeper)
+
+
+def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
+    """α of the last, the untrained and the best mid-run head on validation; the kept head's on test too. Writes
+    OUT/head (the kept head), OUT/acceptance.json and OUT/alpha.png."""
+    from train.acceptance import acceptance_record, measure_sets, plot_alpha, with_test_split, write_json
+    from train.selection import final_choice
+
+    cfg, out, ecfg, data, keeper, trainer = job.cfg, job.out, job.eval, fitted.data, fitted.keeper, fitted.trainer
     t0, step, T = time.perf_counter(), trainer.global_step, float(ecfg.temperature)
-    train_info = {"data": dcfg.name, "steps": step, "loss": asdict(loss)}
-    save_head(last, out / "head", target.identity(), extra={"train": train_info})  # kept if what follows fails
-    heads = {"last": last, "untrained": make_head(cfg, target, state=init_state)}
+    train_info = {"data": job.data.name, "steps": step, "loss": asdict(job.loss)}
+    save_head(fitted.head, out / "head", target.identity(), extra={"train": train_info})  # kept if what follows fails
+    heads = {"last": fitted.head, "untrained": make_head(cfg, target, state=fitted.init_state)}
     best = keeper.best()
     if best is not None and best[1]["step"] != step:  # the best mid-run check's head, measured beside the last
-        best[0].attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+        best[0].attach_target(target)
         heads["best"] = best[0]
     measured = measure_sets(heads, target, data.eval_loaders("validation"), ecfg.top_k, ecfg.top_p)
     chosen = final_choice(measured, T, ecfg.best_by)  # on validation: the test split below never picks anything
     head_step = best[1]["step"] if chosen == "best" else step
-    record = acceptance_record(cfg.head.name, target.name, data_description(dcfg, data), T, measured[chosen],
+    record = acceptance_record(cfg.head.name, target.name, data_description(job.data, data), T, measured[chosen],
                                measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
     tested = measure_sets({chosen: heads[chosen]}, target, data.eval_loaders("test"), ecfg.top_k, ecfg.top_p)
     with_test_split(record, tested[chosen], data.heldout_keys)
@@ -294,6 +271,7 @@ def train(cfg: DictConfig) -> dict:
     if check is not None:  # the kept head checked mid-run (from cached features: bf16 with features_on_disk) against
         # its final α here (the target's own pass, in its dtype): how far a mid-run α may be off
         record["midrun_alpha_gap"] = [float(a - c) for a, c in zip(record["alpha"], check["alpha"])]
+    module = fitted.module
     record["trained_tokens"] = module.trained_tokens  # this process's share, this run (not before a resume)
     record["trained_tokens_total"] = module.tokens_total  # every rank, since step 0
     record["trained_tokens_per_s"] = round(module.trained_tokens / max(module.train_seconds, 1e-9), 1)
@@ -345,7 +323,7 @@ def report(record: dict) -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     try:
-        record = train(cfg)
+        record = run(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -128,7 +128,7 @@ def consolidated_head(trainer, head: DraftHead) -> DraftHead:
     state = full_state_dict(trainer.strategy, head)
     plain = build_head(head.family, copy.deepcopy(head.dims), **head.hparams())
     plain.load_state_dict(state)
-    plain.attach_target(head.frozen("embed_tokens"), head.frozen("lm_head"), head.frozen("final_norm"))
+    plain.attach_modules(head.frozen("embed_tokens"), head.frozen("lm_head"), head.frozen("final_norm"))
     return plain.float().eval()
 
 

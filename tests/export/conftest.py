@@ -11,7 +11,7 @@ from heads.checkpoint import save_head
 def random_head(target, family: str, num_steps: int = 3, seed: int = 0, **hp):
     """A head with random weights (std 0.1): zero-initialised parts (Medusa's blocks) would hide key-map bugs."""
     head = build_head(family, target.dims, num_steps=num_steps, **hp)
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     g = torch.Generator().manual_seed(seed)
     if family == "eagle3":
         head.set_vocab_map(torch.rand(target.dims.vocab_size, generator=g))

@@ -131,7 +131,7 @@ def new_head(family: str, target, token_counts: torch.Tensor | None = None, seed
     if family == "eagle3":
         hp["draft_vocab_size"] = 4096
     head = build_head(family, target.dims, **hp)
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     if family == "eagle3":
         head.set_vocab_map(token_counts if token_counts is not None else torch.ones(target.dims.vocab_size))
     head.init_from_target()
@@ -159,7 +159,7 @@ def train_fixture_head(family: str, target, prompts, answers, steps: int = 150, 
     index = torch.full((target.dims.vocab_size,), -1, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
     if family == "eagle":
-        head.attach_target(target.embed_tokens, _sliced(target.lm_head, vocab), target.final_norm)
+        head.attach_modules(target.embed_tokens, _sliced(target.lm_head, vocab), target.final_norm)
     full_heads = None
     if family == "medusa":  # train the residual blocks; the lm_heads stay the target's (sliced for the loss)
         full_heads = head.lm_heads
@@ -183,7 +183,7 @@ def train_fixture_head(family: str, target, prompts, answers, steps: int = 150, 
         if os.environ.get("FIXTURE_DEBUG"):
             print(f"{family} step {step} loss {float(loss):.3f} {time.time() - t0:.2f}s", flush=True)
     if family == "eagle":
-        head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+        head.attach_target(target)
     if full_heads is not None:
         head.lm_heads = full_heads
     return head.eval()

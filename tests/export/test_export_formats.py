@@ -88,7 +88,7 @@ def test_export_round_trips(family, fmt, tiny_target, head_dir, pair_hparams, ru
     state, overrides = import_state(fmt, family, cfg, dict(tensors), tiny_target.dims.num_layers)
     rebuilt = build_head(family, tiny_target.dims, **{**head.hparams(), **overrides})
     rebuilt.load_state_dict(state, strict=True)
-    rebuilt.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
+    rebuilt.attach_target(tiny_target)
     ids = torch.randint(0, tiny_target.dims.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
     feats = tiny_target.features(ids, layers=range(tiny_target.dims.num_layers + 1))
     K = rebuilt.num_steps

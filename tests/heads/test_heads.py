@@ -13,7 +13,7 @@ FAMILIES = sorted(HEADS)
 
 def make_head(name, target, **hp):
     head = build_head(name, target.dims, **hp)
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     head.init_from_target()
     return head
 
@@ -60,7 +60,7 @@ def test_save_load_identical(name, tiny_target, tmp_path):
         torch.nn.init.normal_(p, std=0.05)
     save_head(head, tmp_path / "head", tiny_target.identity())
     loaded, config = load_head(tmp_path / "head")
-    loaded.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
+    loaded.attach_target(tiny_target)
     feats = tiny_target.features(batch(tiny_target), layers=head.feature_layers)
     for a, b in zip(head(feats).logits, loaded(feats).logits):
         torch.testing.assert_close(a, b)

@@ -29,7 +29,7 @@ CASES = [  # (family, format, hparams): the hard cases each layout can carry
 def fresh(target, family, **hp):
     """A head as train/ builds it before init_from: the run's hparams, initialised from the target."""
     head = build_head(family, target.dims, **hp)
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     if hasattr(head, "set_vocab_map"):
         head.set_vocab_map(torch.arange(target.dims.vocab_size, 0, -1))  # another vocabulary than the saved one's
     head.init_from_target()

@@ -110,7 +110,7 @@ def random_head(name, target):
     from heads import build_head
 
     head = build_head(name, target.dims, num_steps=3, **({"draft_vocab_size": 100} if name == "eagle3" else {}))
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     if name == "eagle3":
         head.set_vocab_map(torch.rand(target.dims.vocab_size, generator=torch.Generator().manual_seed(0)))
     head.init_from_target()
@@ -215,7 +215,7 @@ def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family
     V = tiny_target.dims.vocab_size
     full = random_head(family, tiny_target)
     small = build_head(family, tiny_target.dims, num_steps=3, loss_vocab_size=V // 4)
-    small.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
+    small.attach_target(tiny_target)
     counts = torch.rand(V, generator=torch.Generator().manual_seed(3))
     small.set_vocab_map(counts)
     small.load_state_dict(full.state_dict())
@@ -264,7 +264,7 @@ def test_loss_vocab_sampled_adds_fresh_other_tokens_each_step(tiny_target):
 
     V = tiny_target.dims.vocab_size
     head = build_head("mtp", tiny_target.dims, num_steps=2, loss_vocab_size=V // 4, loss_vocab_sampled=V // 8)
-    head.attach_target(tiny_target.embed_tokens, tiny_target.lm_head, tiny_target.final_norm)
+    head.attach_target(tiny_target)
     counts = torch.rand(V, generator=torch.Generator().manual_seed(3))
     head.set_vocab_map(counts)
     frequent = counts.argsort(descending=True)[: V // 4]

@@ -27,11 +27,11 @@ def runner_model(target) -> Transformer:
 def perturbed_head(family, target, model, num_steps=3, std=0.02, seed=1):
     """A head initialised from the target and randomly perturbed: wrong often, right sometimes."""
     head = build_head(family, target.dims, num_steps=num_steps)
-    head.attach_target(model.embed_tokens, model.lm_head, model.norm)
+    head.attach_modules(model.embed_tokens, model.lm_head, model.norm)
     if family == "eagle3":  # a reduced draft vocabulary (3/4 of the target's), so -inf columns are exercised
         V = target.dims.vocab_size
         head = build_head(family, target.dims, num_steps=num_steps, draft_vocab_size=3 * V // 4)
-        head.attach_target(model.embed_tokens, model.lm_head, model.norm)
+        head.attach_modules(model.embed_tokens, model.lm_head, model.norm)
         head.set_vocab_map(torch.rand(target.dims.vocab_size, generator=torch.Generator().manual_seed(seed)))
     head.init_from_target()
     g = torch.Generator().manual_seed(seed)

@@ -39,7 +39,7 @@ def fit_medusa(target, steps=150):
                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=96, min_new_tokens=96,
                                 pad_token_id=tok.pad_token_id)[:, width:]
     head = build_head("medusa", target.dims, num_steps=3)
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     head.init_from_target()
     feats = target.features(ids, layers=head.feature_layers)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-2)

@@ -71,7 +71,7 @@ def test_tally_alpha_and_chain_against_brute_force():
 
 
 def test_alpha_per_category_adds_up(fast_cfg, tmp_path):
-    from train.main import train
+    from train.main import run
 
     heldout = tmp_path / "cats.jsonl"
     with open(heldout, "w") as f:
@@ -79,7 +79,7 @@ def test_alpha_per_category_adds_up(fast_cfg, tmp_path):
             f.write(json.dumps({"category": ["writing", "math"][i % 2], "messages": [
                 {"role": "user", "content": f"Question {i}?"},
                 {"role": "assistant", "content": f"An answer about {i}, " * (2 + i)}]}) + "\n")
-    record = train(fast_cfg("head=mtp", "trainer.max_steps=2", f"data.eval_files=[{heldout}]"))
+    record = run(fast_cfg("head=mtp", "trainer.max_steps=2", f"data.eval_files=[{heldout}]"))
     alpha, tokens = record["alpha_by_category"], record["num_tokens_by_category"]
     assert set(alpha) == {"writing", "math"} and sum(tokens.values()) == record["num_tokens"]
     weighted = sum(alpha[c][0] * tokens[c] for c in alpha) / record["num_tokens"]

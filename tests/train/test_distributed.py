@@ -103,7 +103,7 @@ def heldout_loss(files):
     @torch.no_grad()
     def measure(head_dir: Path) -> float:
         head, _ = load_head(head_dir)
-        head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+        head.attach_target(target)
         total, count = 0.0, 0
         for batch in data.eval_loader():
             feats = target.features(batch["input_ids"], batch["loss_mask"], batch["attention_mask"],

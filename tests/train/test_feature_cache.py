@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from train import UserError
-from train.main import train
+from train.main import run
 
 
 def losses(out: Path) -> list[float]:
@@ -19,10 +19,10 @@ def losses(out: Path) -> list[float]:
 
 def test_cached_training_follows_online_training(fast_cfg, tmp_path):
     common = ("head=eagle3", "logger=csv", "trainer.max_steps=10", "seed=3")
-    online = train(fast_cfg(*common, "data.cache_features=false", out=tmp_path / "online"))
+    online = run(fast_cfg(*common, "data.cache_features=false", out=tmp_path / "online"))
     disk = fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
                     f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "disk")
-    cached = train(disk)
+    cached = run(disk)
     info = cached["feature_cache"]
     assert info["shards_built"] == info["shards"] >= 1 and info["bytes_per_token"] == 2 * 64 * len(info["layers"])
     a, b = losses(tmp_path / "online"), losses(tmp_path / "disk")
@@ -31,29 +31,29 @@ def test_cached_training_follows_online_training(fast_cfg, tmp_path):
     assert abs(online["alpha"][0] - cached["alpha"][0]) < 0.05
     shards = sorted((tmp_path / "feats").glob("shard-*.npy"))
     stamps = [p.stat().st_mtime_ns for p in shards]
-    again = train(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
-                           f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "again"))
+    again = run(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
+                         f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "again"))
     assert again["feature_cache"]["shards_built"] == 0 and stamps == [p.stat().st_mtime_ns for p in shards]
     assert losses(tmp_path / "again") == b  # read back from disk: the very same run
 
     shards[0].write_bytes(shards[0].read_bytes()[: shards[0].stat().st_size // 2])  # a half-written shard
-    rebuilt = train(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
-                             f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "rebuilt"))
+    rebuilt = run(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
+                           f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "rebuilt"))
     assert rebuilt["feature_cache"]["shards_built"] == 1 and losses(tmp_path / "rebuilt") == b
 
     # A head reading fewer layers (Medusa: the last only) is served by this EAGLE-3 cache, as by a cache of its own.
     medusa = ("head=medusa", "logger=csv", "trainer.max_steps=10", "seed=3", "data.cache_features=true",
               "data.features_on_disk=true")
-    shared = train(fast_cfg(*medusa, f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "medusa"))
+    shared = run(fast_cfg(*medusa, f"data.feature_dir={tmp_path / 'feats'}", out=tmp_path / "medusa"))
     assert shared["feature_cache"]["shards_built"] == 0 and shared["feature_cache"]["layers"] == [info["layers"][-1]]
-    own = train(fast_cfg(*medusa, f"data.feature_dir={tmp_path / 'medusa-feats'}", out=tmp_path / "medusa-own"))
+    own = run(fast_cfg(*medusa, f"data.feature_dir={tmp_path / 'medusa-feats'}", out=tmp_path / "medusa-own"))
     assert own["feature_cache"]["shards_built"] == own["feature_cache"]["shards"]
     assert losses(tmp_path / "medusa") == losses(tmp_path / "medusa-own")  # the same bf16 values, read elsewhere
     assert json.loads((tmp_path / "feats" / "key.json").read_text())["layers"] == info["layers"]
 
     with pytest.raises(UserError, match="made with other layers.*delete it or set data.feature_dir"):
-        train(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
-                       f"data.feature_dir={tmp_path / 'medusa-feats'}", out=tmp_path / "eagle3-on-medusa"))
+        run(fast_cfg(*common, "data.cache_features=true", "data.features_on_disk=true",
+                     f"data.feature_dir={tmp_path / 'medusa-feats'}", out=tmp_path / "eagle3-on-medusa"))
 
 
 def test_default_cache_dirs_serve_a_subset_of_their_layers(tmp_path, monkeypatch):
@@ -120,9 +120,9 @@ def test_midrun_alpha_gap_is_the_bf16_disk_features_alone(fast_cfg, tmp_path):
     the kept head's difference between the two: zero with fp32 features in memory, small but recorded on disk."""
     common = ("head=eagle3", "head.hparams.num_steps=3", "logger=none", "trainer.max_steps=8",
               "trainer.val_check_interval=8", "data.cache_features=true", "seed=3")
-    disk = train(fast_cfg(*common, "data.features_on_disk=true", f"data.feature_dir={tmp_path / 'feats'}",
-                          out=tmp_path / "disk"))
-    memory = train(fast_cfg(*common, "data.features_on_disk=false", out=tmp_path / "memory"))
+    disk = run(fast_cfg(*common, "data.features_on_disk=true", f"data.feature_dir={tmp_path / 'feats'}",
+                        out=tmp_path / "disk"))
+    memory = run(fast_cfg(*common, "data.features_on_disk=false", out=tmp_path / "memory"))
     for record in (disk, memory):
         (check,) = [c for c in record["heldout_checks"] if c["step"] == record["head_step"]]
         assert record["midrun_alpha_gap"] == pytest.approx([a - c for a, c in zip(record["alpha"], check["alpha"])])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.main import train
+from train.main import run
 from train.module import DraftModule
 from train.selection import read_state, score
 
@@ -37,9 +37,9 @@ def test_midrun_alpha_equals_online_measure(fast_cfg, tmp_path, monkeypatch):
 
     monkeypatch.setattr(DraftModule, "validation_step", spy)
     out = tmp_path / "run"
-    record = train(fast_cfg("head=eagle3", "head.hparams.num_steps=3", "logger=csv", "head.loss.kind=kl",
-                            "optim.lr=3e-3", "trainer.val_check_interval=8", "trainer.limit_val_batches=1.0",
-                            out=out))
+    record = run(fast_cfg("head=eagle3", "head.hparams.num_steps=3", "logger=csv", "head.loss.kind=kl",
+                          "optim.lr=3e-3", "trainer.val_check_interval=8", "trainer.limit_val_batches=1.0",
+                          out=out))
     assert seen and all(seen), "mid-run checks read the cached held-out features, no target pass"
     (row,) = val_rows(out)
     midrun = [float(row[f"val/alpha@{k}"]) for k in (1, 2, 3)]
@@ -76,7 +76,7 @@ def falling_cfg(fast_cfg):
 def test_best_check_is_kept_when_alpha_falls(falling_cfg, tmp_path, monkeypatch):
     out = tmp_path / "run"
     falling(monkeypatch)
-    record = train(falling_cfg(out))
+    record = run(falling_cfg(out))
     checks = record["heldout_checks"]
     assert [c["step"] for c in checks] == [4, 8, 12]
     assert max(checks, key=lambda c: score(c, "tau"))["step"] == 4, checks  # α fell after step 4
@@ -110,9 +110,9 @@ def test_best_check_is_kept_when_alpha_falls(falling_cfg, tmp_path, monkeypatch)
     # token count runs on from the checkpoint
     falling(monkeypatch, crash_at=10)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(falling_cfg(tmp_path / "resumed"))
+        run(falling_cfg(tmp_path / "resumed"))
     falling(monkeypatch)
-    resumed = train(falling_cfg(tmp_path / "resumed", "resume=true"))
+    resumed = run(falling_cfg(tmp_path / "resumed", "resume=true"))
     assert resumed["head_step"] == 4 and [c["step"] for c in resumed["heldout_checks"]] == [4, 8, 12]
     assert resumed["trained_tokens_total"] == record["trained_tokens_total"] > resumed["trained_tokens"]
     again = load_file(str(tmp_path / "resumed" / "head" / "model.safetensors"))

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from heads import HEADS
-from train.main import train
+from train.main import run
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_bf16_target_trains_fp32_head(name, fast_cfg, tmp_path):
     cfg = fast_cfg(f"head={name}", "target.dtype=bfloat16", "trainer.max_steps=4", "trainer.limit_val_batches=1",
                    "trainer.val_check_interval=2", out=tmp_path / name)
-    record = train(cfg)
+    record = run(cfg)
     assert len(record["alpha"]) == cfg.head.hparams.num_steps and record["num_tokens"] > 100
     # greedy α counts matches over the scored anchors: whole numbers of them (a path that measured soft overlaps in
     # bf16, or divided by another count, would not give them)
@@ -41,5 +41,5 @@ def test_bf16_smollm2_trains_fp32_head(chat_files, tmp_path):
                                  "data.max_len=64", "data.batch_size=2", "data.eval_batch_size=4",
                                  "data.max_train_records=8", "data.max_eval_records=2", "trainer.max_steps=2",
                                  "trainer.enable_progress_bar=false", "head.hparams.draft_vocab_size=1024"])
-    record = train(cfg)
+    record = run(cfg)
     assert len(record["alpha"]) == 3 and record["num_tokens"] > 0

@@ -114,7 +114,7 @@ def test_kill_9_loses_and_duplicates_nothing(tmp_path):
 
 
 def test_recipe_distils_caches_trains_and_reuses_both(compose, write_chat, tmp_path):
-    from train.main import train
+    from train.main import run
 
     prompts, heldout = write_prompts(tmp_path / "p.jsonl", 24), write_chat(tmp_path / "heldout.jsonl", n=6)
     reference = write_chat(tmp_path / "reference.jsonl", n=5, seed=3)  # answered records, trained on as written
@@ -123,10 +123,10 @@ def test_recipe_distils_caches_trains_and_reuses_both(compose, write_chat, tmp_p
                  "distill.shard_size=8", f"data.eval_files=[{heldout}]", "data.max_eval_records=null",
                  f"data.reference_files=[{reference}]", f"data.feature_dir={tmp_path / 'feats'}",
                  "trainer.max_steps=4", "head.hparams.draft_vocab_size=128")
-    first = train(compose(tmp_path / "run1", *overrides))
+    first = run(compose(tmp_path / "run1", *overrides))
     assert first["feature_cache"]["shards_built"] >= 1 and len(first["alpha"]) == 3
     assert first["trained_tokens"] > 0 and first["trained_tokens_per_s"] > 0
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "answers").rglob("*.jsonl")}
-    second = train(compose(tmp_path / "run2", *overrides))  # answers and features come from disk
+    second = run(compose(tmp_path / "run2", *overrides))  # answers and features come from disk
     assert second["feature_cache"]["shards_built"] == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "answers").rglob("*.jsonl")}

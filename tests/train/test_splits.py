@@ -11,7 +11,7 @@ import train.data
 import train.selection
 from heads.splits import assign_splits
 from tests.conftest import require_shared
-from train.main import train as run_train
+from train.main import run as run_train
 from heads.records import split_records
 
 

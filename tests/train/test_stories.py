@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from heads import HEADS
-from train.main import train
+from train.main import run
 
 pytestmark = [pytest.mark.shared, pytest.mark.slow]
 
@@ -24,7 +24,7 @@ def test_stories260k_head_beats_untrained(name, stories_target, stories_cache, c
                   "trainer.max_steps=150", "trainer.val_check_interval=1000", "trainer.checkpoint_every_n_steps=1000",
                   "optim.lr=3e-3", "optim.warmup_steps=10", "data.batch_size=16", "data.eval_batch_size=32",
                   "data.max_len=128", "data.max_eval_records=100", "data.distill.samples_per_prompt=6")
-    record = train(cfg)
+    record = run(cfg)
     trained, untrained = record["alpha"][0], record["alpha_untrained"][0]
     assert record["num_tokens"] > 5000  # real held-out text, not a handful of tokens
     assert trained > untrained + 0.1 and trained > 1.5 * untrained, record

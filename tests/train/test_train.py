@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from heads import HEADS
 from train import UserError
-from train.main import train
+from train.main import run as train
 from train.module import DraftModule
 
 ROOT = Path(__file__).resolve().parents[2]
