@@ -23,7 +23,7 @@ from serve.main import serve
 from tests.conftest import require_shared
 from tests.standins import build_standin
 from train import UserError
-from train.main import train
+from train.main import run
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.shared, pytest.mark.slow]
@@ -71,7 +71,7 @@ def test_headline_command_whole_path(name, standins, tmp_path, monkeypatch):
     if head == "eagle3":
         assert (cfg.head.hparams.num_steps, cfg.head.hparams.draft_vocab_size) == (7, 32000)
 
-    record = train(cfg)
+    record = run(cfg)
 
     assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("cpu", "32-true")  # no CUDA here
     target = load_target(name, str(weights), str(dtype).removeprefix("torch."), chat_format=cfg.target.chat_format)
@@ -94,17 +94,17 @@ def test_headline_command_whole_path(name, standins, tmp_path, monkeypatch):
     # target verifying γ+1 tokens in one pass rounds differently from decoding them one by one, so near-ties in
     # a random model's logits can flip; equality token for token is a property of the algorithm at fp32.
     runs = {}
-    for run, extra in (("half", ["head_path=" + str(out), "gamma=3"]), ("vanilla", ["dtype=float32"]),
+    for kind, extra in (("half", ["head_path=" + str(out), "gamma=3"]), ("vanilla", ["dtype=float32"]),
                        ("head", [f"head_path={out}", "gamma=3", "dtype=float32"])):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
             scfg = compose("serve", [f"target={name}", f"target.path={weights}", "temperature=0", "max_new_tokens=16",
                                      "progress=false", "stop_at_eos=false",
                                      f"prompts={tmp_path / 'heldout.jsonl'}", *extra])
-        bench = serve(scfg, tmp_path / f"serve-{run}")
-        expected = str(dtype).removeprefix("torch.") if run == "half" else "float32"
+        bench = serve(scfg, tmp_path / f"serve-{kind}")
+        expected = str(dtype).removeprefix("torch.") if kind == "half" else "float32"
         assert bench["settings"]["dtype"] == expected  # τ: one token a pass plus the drafts each pass kept
         assert bench["tau_measured"] == pytest.approx(1 + sum(bench["accepted_per_position"]) / bench["target_passes"])
-        runs[run] = [json.loads(x)["token_ids"] for x in (tmp_path / f"serve-{run}" / "generations.jsonl").open()]
+        runs[kind] = [json.loads(x)["token_ids"] for x in (tmp_path / f"serve-{kind}" / "generations.jsonl").open()]
     assert all(len(t) == 16 for t in runs["half"])
     assert runs["head"] == runs["vanilla"] and all(len(t) == 16 for t in runs["head"])
 
@@ -130,7 +130,7 @@ def test_cuda_only_options_on_a_cpu_box(override, fix, standins, tmp_path):
         cfg = compose("config", ["head=eagle", "target=llama2-7b", f"target.path={standins['llama2-7b']}",
                                  f"out_dir={tmp_path}", override, *SHORT])
     with pytest.raises(UserError, match=fix):
-        train(cfg)
+        run(cfg)
 
 
 def test_head_for_another_target_is_refused(standins, tmp_path, monkeypatch):
@@ -154,7 +154,7 @@ def test_cpu_bf16_without_bf16_units_is_warned(monkeypatch, caplog):
     """bf16-mixed on a CPU that emulates bf16 trains slower than fp32: the run says so and names the fix."""
     from omegaconf import OmegaConf
 
-    import train.main as job
+    import train.trainer as job
 
     cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "precision": "bf16-mixed"}, "target": {"dtype": "float32"}})
     for has_units, warned in ((False, True), (True, False)):
@@ -170,7 +170,7 @@ def test_bf16_if_native_follows_the_cpu(monkeypatch):
     auto stays fp32 on every CPU."""
     from omegaconf import OmegaConf
 
-    import train.main as job
+    import train.trainer as job
 
     for has_units in (False, True):
         monkeypatch.setattr(job, "cpu_has_bf16_units", lambda: has_units)
