@@ -362,8 +362,13 @@ class DraftDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
         lengths = [len(ex.input_ids) for ex in self.eval_examples]
-        return self._loader(self.eval_examples, LengthGroupedBatches(lengths, self.cfg.eval_batch_size, shuffle=False,
-                                                                     rank=rank, world=world, drop_last=False))
+        if len(lengths) < world:
+            raise UserError(f"{len(lengths)} validation sequences cannot give each of {world} ranks one; add held-out "
+                            "data (data.eval_files, data.max_eval_records) or use fewer devices")
+        # smaller batches where the validation split is short, so that no rank is left with an empty loader
+        batch_size = min(self.cfg.eval_batch_size, len(lengths) // world)
+        return self._loader(self.eval_examples, LengthGroupedBatches(lengths, batch_size, shuffle=False, rank=rank,
+                                                                     world=world, drop_last=False))
 
     def eval_loader(self, examples: list[Example] | None = None) -> DataLoader:
         """All held-out data in one process, for the final acceptance measurement."""

@@ -261,3 +261,22 @@ def test_chat_config_reads_shared_data(compose, tmp_path):
     assert len(train_records) == 200 and len(heldout) == cfg.max_eval_records
     assert sum(not r.needs_answer for r in train_records) > 190  # nearly every training record has its answer
     assert all(r.needs_answer and r.messages[0]["role"] == "user" for r in heldout)  # the target will answer
+
+
+def test_short_validation_split_gives_every_rank_a_batch(tiny_target, chat_files, monkeypatch):
+    """4 validation sequences (8 held out, halved) over 2 or 3 ranks: each rank gets some, none twice, none lost;
+    more ranks than sequences is one line naming the fix."""
+    data = DraftDataModule(DataConfig(train_files=[str(chat_files[0])], eval_files=[str(chat_files[1])],
+                                      eval_batch_size=8), tiny_target)
+    data.prepare()
+    n = len(data.eval_examples)
+    assert n == 4
+    for world in (2, 3):
+        seen = []
+        for rank in range(world):
+            monkeypatch.setattr(data, "_rank_world", lambda r=rank, w=world: (r, w))
+            seen.append([ids.tolist() for b in data.val_dataloader() for ids in b["input_ids"]])
+        assert all(seen) and sum(map(len, seen)) == n
+    monkeypatch.setattr(data, "_rank_world", lambda: (0, 5))
+    with pytest.raises(UserError, match="fewer devices"):
+        data.val_dataloader()
