@@ -207,7 +207,7 @@ def wait(proc: subprocess.Popen, name: str, log: Path) -> None:
         fail(f"{name} training failed (rc {proc.returncode}); see {log}:\n{tail}")
 
 
-def train_both(args, text: dict, target, out: Path) -> tuple[dict, dict]:
+def train_both(args, text: dict, out: Path) -> tuple[dict, dict]:
     from heads.target import resolve_path
 
     target_dir = client_target(Path(resolve_path("smollm2-135m", None)), out / "target")
@@ -318,7 +318,7 @@ def main() -> None:
         text = select_text(target, args.tokens, args.max_len, args.seed, out)
         (out / "text.json").write_text(json.dumps(text, indent=1))
         print(f"[parity] text: {text['records']} records, {text['trained_tokens']} trained tokens", flush=True)
-        ours, ref = train_both(args, text, target, out)
+        ours, ref = train_both(args, text, out)
     export_heads(target, out, args)
     heads = {name: imported(out / name, out / f"{name}-eval" / "head", target) for name in ("ours", "reference")}
     result = {"ours": {**measure(heads["ours"], out / "ours-eval", args), **ours},
