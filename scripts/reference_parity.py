@@ -268,7 +268,7 @@ def imported(layout_dir: Path, out: Path, target) -> Path:
 
     cfg = json.loads((layout_dir / "config.json").read_text())
     head = build_head("eagle3", target.dims, num_steps=GAMMA, draft_vocab_size=cfg["draft_vocab_size"])
-    head.attach_target(target.embed_tokens, target.lm_head, target.final_norm)
+    head.attach_target(target)
     try:
         head.load_state_dict(read_state(layout_dir, head, target.identity()))
     except (OSError, ValueError) as e:
