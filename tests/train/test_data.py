@@ -258,7 +258,8 @@ def test_chat_config_reads_shared_data(compose, tmp_path):
     cfg = DataConfig.from_dict(OmegaConf.to_container(compose(tmp_path, "data=chat").data, resolve=True))
     train_records, heldout = split_records(cfg.train_files, cfg.eval_files, cfg.heldout_fraction, 200,
                                            cfg.max_eval_records, 0)
-    assert len(train_records) == 200 and len(heldout) == cfg.max_eval_records
+    assert len(train_records) == 200  # max_eval_records caps each split: validation and test
+    assert [sum(r.split == s for r in heldout) for s in ("validation", "test")] == [cfg.max_eval_records] * 2
     assert sum(not r.needs_answer for r in train_records) > 190  # nearly every training record has its answer
     assert all(r.needs_answer and r.messages[0]["role"] == "user" for r in heldout)  # the target will answer
 
