@@ -32,17 +32,31 @@ def scored_logits(out: HeadOutput, mask: torch.Tensor, k: int) -> torch.Tensor:
     read out only there. Rows in the order of ``target[:, k:][mask[:, k:]]``."""
     return out.step_logits(k, out.states[k - 1][:, :-k][mask[:, k:]])
 
+LOSS_KINDS = ("soft_ce", "kl", "tv", "lk", "lk_alpha")
 
-def distill_loss(draft_logits, target_probs, kind: str = "soft_ce"):
-    """Per-position loss [N] between draft logits and the target's next-token probabilities (rows of [N, V])."""
+
+def distill_loss(draft_logits, target_probs, kind: str = "soft_ce", lk_eta: float = 3.0):
+    """Per-position loss [N] between draft logits and the target's next-token probabilities (rows of [N, V]).
+
+    ``lk`` and ``lk_alpha`` are the LK losses (Samarin et al. 2026, arXiv 2602.23881), which optimise α itself:
+    ``lk_alpha`` is -log α, whose gradient is TV's scaled by 1/α (TV alone barely moves a cold draft); ``lk`` blends
+    λ·KL + (1-λ)·TV with λ = exp(-η·α) and α detached, so a poor draft learns from KL and a good one from TV.
+    """
     draft_logp = draft_logits.float().log_softmax(-1)
     if kind == "soft_ce":
         return -(target_probs * draft_logp.clamp_min(-1e4)).sum(-1)
     if kind == "kl":
         return F.kl_div(draft_logp, target_probs, reduction="none", log_target=False).sum(-1)
-    if kind == "tv":
-        return 1 - alpha(target_probs, draft_logp.exp())
-    raise ValueError(f"unknown loss {kind!r}; choose soft_ce, kl or tv")
+    if kind in ("tv", "lk", "lk_alpha"):
+        overlap = alpha(target_probs, draft_logp.exp())
+        if kind == "tv":
+            return 1 - overlap
+        if kind == "lk_alpha":
+            return -overlap.clamp_min(1e-5).log()
+        kl = F.kl_div(draft_logp, target_probs, reduction="none", log_target=False).sum(-1)
+        weight = torch.exp(-lk_eta * overlap.detach())
+        return weight * kl + (1 - weight) * (1 - overlap)
+    raise ValueError(f"unknown loss {kind!r}; choose one of {LOSS_KINDS}")
 
 
 def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce", step_decay: float = 1.0,

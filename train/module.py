@@ -17,15 +17,20 @@ import numpy as np
 import torch
 
 from heads.base import DraftHead, TargetFeatures
-from heads.losses import head_loss
+from heads.losses import LOSS_KINDS, head_loss
 from heads.target import Target
+from train import UserError
 from train.acceptance import Tally, acceptance_grid
 
 
 @dataclass
 class LossConfig:
-    kind: str = "soft_ce"  # soft_ce | kl | tv: distillation to the target's next-token distribution
+    kind: str = "soft_ce"  # soft_ce | kl | tv | lk | lk_alpha: heads/losses.py distill_loss
     step_decay: float = 1.0  # weight of draft step k is step_decay**(k-1); EAGLE-3 uses 0.8
+
+    def __post_init__(self):
+        if self.kind not in LOSS_KINDS:
+            raise UserError(f"head.loss.kind={self.kind} is not a loss; choose one of {', '.join(LOSS_KINDS)}")
 
 
 @dataclass

@@ -138,7 +138,7 @@ def test_training_alpha_equals_alpha_sums(name, temperature, tiny_target):
 
 
 @pytest.mark.parametrize("name,kind", [("medusa", "soft_ce"), ("eagle", "soft_ce"), ("eagle", "kl"),
-                                       ("eagle3", "soft_ce"), ("mtp", "tv")])
+                                       ("eagle3", "soft_ce"), ("mtp", "tv"), ("eagle3", "lk")])
 def test_scored_rows_loss_equals_full_vocab_loss(name, kind, tiny_target):
     """head_loss reads logits out only at scored rows and builds the target's soft labels once; the loss and every
     gradient must be those of the plain full-vocabulary computation, or the speed-up changed training."""
@@ -306,3 +306,47 @@ def test_loss_vocab_bad_settings_get_one_line_errors(tiny_target, hp, match):
     with pytest.raises(ValueError, match=match) as err:
         build_head("medusa", tiny_target.dims, num_steps=2, **hp)
     assert "\n" not in str(err.value)
+
+
+def test_lk_alpha_is_tv_scaled_by_one_over_alpha_and_ce_on_a_point_mass():
+    """-log α: its gradient is TV's divided by α (what lets a cold draft learn from an α objective), and with a
+    one-hot target it is the cross-entropy of the target's token. A loss that dropped the log, or the 1/α, fails."""
+    from heads.losses import distill_loss
+
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(6, 11, generator=g).mul(2).softmax(-1)
+    draft = torch.randn(6, 11, generator=g, requires_grad=True)
+    lk = distill_loss(draft, target, "lk_alpha")
+    (grad_lk,) = torch.autograd.grad(lk.sum(), draft)
+    tv = distill_loss(draft, target, "tv")
+    (grad_tv,) = torch.autograd.grad(tv.sum(), draft)
+    a = alpha(target, draft.softmax(-1)).detach()
+    torch.testing.assert_close(lk, -a.log())
+    torch.testing.assert_close(grad_lk, grad_tv / a[:, None])
+    onehot = torch.nn.functional.one_hot(target.argmax(-1), 11).float()
+    torch.testing.assert_close(distill_loss(draft, onehot, "lk_alpha"),
+                               torch.nn.functional.cross_entropy(draft, target.argmax(-1), reduction="none"))
+
+
+def test_lk_hybrid_leans_on_kl_when_alpha_is_low_and_on_tv_when_high():
+    """λ = exp(-η α) with α detached: the gradient is λ ∇KL + (1 - λ) ∇TV and nothing flows through λ. A far draft
+    (α ~ 0) gets KL's gradient, a near one mostly TV's; the loss is 0 where the draft is the target."""
+    from heads.losses import distill_loss
+
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(4, 9, generator=g).softmax(-1)
+    for draft0 in (torch.randn(4, 9, generator=g) * 8, target.log() + 0.3 * torch.randn(4, 9, generator=g)):
+        draft = draft0.clone().requires_grad_(True)
+        grads = {k: torch.autograd.grad(distill_loss(draft, target, k).sum(), draft)[0] for k in ("lk", "kl", "tv")}
+        lam = torch.exp(-3.0 * alpha(target, draft.softmax(-1))).detach()[:, None]
+        torch.testing.assert_close(grads["lk"], lam * grads["kl"] + (1 - lam) * grads["tv"])
+    same = distill_loss(target.log(), target, "lk")
+    torch.testing.assert_close(same, torch.zeros(4), atol=1e-6, rtol=0)
+
+
+def test_unknown_loss_kind_is_one_line_naming_the_choices():
+    from heads.errors import UserError
+    from train.module import LossConfig
+
+    with pytest.raises(UserError, match="head.loss.kind=lk2 .*soft_ce, kl, tv, lk, lk_alpha"):
+        LossConfig(kind="lk2")
