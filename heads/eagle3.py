@@ -7,6 +7,10 @@ hidden_norm(h))`` (2H wide); the residual is the un-normed h (vLLM's ``norm_befo
 and an lm_head over a reduced draft vocabulary: draft id i is target id ``i + d2t[i]``; ``t2d`` marks the target
 ids the draft can reach. Drafting feeds the midlayer's pre-norm output back as h (it skips fc). Trained with
 training-time test: K unrolled steps, each seeing what drafting will see, loss weights decay^k.
+
+EAGLE 3.1 normalisation (speculators' ``fc_norm`` and ``norm_output``, off by default): ``fc_norm`` RMS-normalises
+each of the three target states before ``fc`` (their scales differ by orders of magnitude across depth), and
+``norm_output`` feeds the final norm's output back as the next step's h, so its magnitude cannot drift with depth.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ class Eagle3(ChainHead):
     family = "eagle3"
 
     def __init__(self, dims: TargetDims, num_steps: int = 4, draft_vocab_size: int = 32000,
-                 aux_layers: list[int] | None = None):
+                 aux_layers: list[int] | None = None, fc_norm: bool = False, norm_output: bool = False):
         super().__init__(dims, num_steps)
         H, L = dims.hidden_size, dims.num_layers
         self.aux_layers = tuple(aux_layers) if aux_layers else default_aux_layers(L)
@@ -54,6 +58,8 @@ class Eagle3(ChainHead):
             raise ValueError(f"eagle3 needs three aux layer ids in [0, {L}); got {list(self.aux_layers)}")
         self.draft_vocab_size = min(draft_vocab_size, dims.vocab_size)
         self.fc = nn.Linear(3 * H, H, bias=False)
+        self.fc_norm = nn.ModuleList(RMSNorm(H, dims.rms_norm_eps) for _ in range(3)) if fc_norm else None
+        self.norm_output = bool(norm_output)
         self.midlayer = MidLayer(dims)
         self.norm = RMSNorm(H, dims.rms_norm_eps)
         self.lm_head = nn.Linear(H, self.draft_vocab_size, bias=False)
@@ -65,7 +71,13 @@ class Eagle3(ChainHead):
 
     def hparams(self) -> dict:
         return {"num_steps": self.num_steps, "draft_vocab_size": self.draft_vocab_size,
-                "aux_layers": list(self.aux_layers)}
+                "aux_layers": list(self.aux_layers), "fc_norm": self.fc_norm is not None,
+                "norm_output": self.norm_output}
+
+    @property
+    def eagle31(self) -> bool:
+        """Whether either EAGLE 3.1 normalisation is on (what the eagle3 exports do not write yet)."""
+        return self.fc_norm is not None or self.norm_output
 
     @property
     def feature_layers(self):
@@ -96,11 +108,15 @@ class Eagle3(ChainHead):
         return logits.index_select(-1, self.draft_to_target)
 
     def fuse(self, hidden):
-        return self.fc(torch.cat([hidden[k] for k in self.aux_layers], dim=-1))  # [B, T, 3H] -> [B, T, H]
+        parts = [hidden[k] for k in self.aux_layers]
+        if self.fc_norm is not None:
+            parts = [norm(x) for norm, x in zip(self.fc_norm, parts)]
+        return self.fc(torch.cat(parts, dim=-1))  # [B, T, 3H] -> [B, T, H]
 
     def block(self, h, tokens, positions, **attn):
         embeds = self.frozen("embed_tokens")(tokens).to(h.dtype)
-        return self.midlayer(embeds, h, positions, **attn)  # pre-norm: fed back as the next step's h
+        out = self.midlayer(embeds, h, positions, **attn)  # pre-norm: fed back as the next step's h (EAGLE-3)
+        return self.norm(out) if self.norm_output else out  # EAGLE 3.1: post-norm fed back
 
     def logits(self, out):
-        return self.lm_head(self.norm(out))
+        return self.lm_head(out if self.norm_output else self.norm(out))

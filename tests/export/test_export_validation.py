@@ -192,6 +192,14 @@ def test_safeailab_eagle3_refuses_other_aux_layers(tiny_target, head_dir, run_ex
         run_export(head_path, "eagle", tmp_path / "out")
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "eagle", "llamacpp"])
+def test_eagle31_heads_are_refused_until_a_format_writes_their_norms(tiny_target, head_dir, run_export, tmp_path, fmt):
+    head_path, _ = head_dir(tiny_target, "eagle3", fc_norm=True)
+    with pytest.raises(ExportRefused, match="EAGLE 3.1 normalisation .* export a head trained with both false"):
+        run_export(head_path, fmt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_failed_validation_leaves_nothing(tiny_target, head_dir, run_export, tmp_path, monkeypatch):
     from export import vllm
 

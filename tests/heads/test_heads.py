@@ -9,6 +9,8 @@ from heads.checkpoint import load_head, save_head
 from heads.losses import head_loss
 
 FAMILIES = sorted(HEADS)
+EAGLE31 = {"fc_norm": True, "norm_output": True}  # EAGLE 3.1's norms change fuse, the fed-back state and logits
+VARIANTS = [pytest.param(name, {}, id=name) for name in FAMILIES] + [pytest.param("eagle3", EAGLE31, id="eagle3.1")]
 
 
 def make_head(name, target, **hp):
@@ -53,9 +55,9 @@ def test_overfits_one_batch(name, tiny_target):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_save_load_identical(name, tiny_target, tmp_path):
-    head = make_head(name, tiny_target, num_steps=2)
+@pytest.mark.parametrize("name,hp", VARIANTS)
+def test_save_load_identical(name, hp, tiny_target, tmp_path):
+    head = make_head(name, tiny_target, num_steps=2, **hp)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.05)
     save_head(head, tmp_path / "head", tiny_target.identity())
@@ -67,11 +69,11 @@ def test_save_load_identical(name, tiny_target, tmp_path):
     assert config["family"] == name
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_drafting_matches_training(name, tiny_target):
+@pytest.mark.parametrize("name,hp", VARIANTS)
+def test_drafting_matches_training(name, hp, tiny_target):
     """commit/step on a cache reproduce training's step-k logits at an anchor, in several commits."""
     K = 3
-    head = make_head(name, tiny_target, num_steps=K)
+    head = make_head(name, tiny_target, num_steps=K, **hp)
     for p in head.parameters():  # a non-trivial head: zero-initialised parts would hide alignment bugs
         torch.nn.init.normal_(p, std=0.1)
     if name == "eagle3":
@@ -92,11 +94,11 @@ def test_drafting_matches_training(name, tiny_target):
         start = anchor + 1
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3"])
-def test_step_tree_matches_chain_step(name, tiny_target):
+@pytest.mark.parametrize("name,hp", [("eagle", {}), ("eagle3", {}), pytest.param("eagle3", EAGLE31, id="eagle3.1")])
+def test_step_tree_matches_chain_step(name, hp, tiny_target):
     """A tree level drafted at once (with distractor siblings and their own subtrees) gives the chain's logits
     on the path that follows the real tokens."""
-    head = make_head(name, tiny_target, num_steps=3)
+    head = make_head(name, tiny_target, num_steps=3, **hp)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.1)
     ids = batch(tiny_target, B=1, T=16)
@@ -129,3 +131,20 @@ def test_step_tree_matches_chain_step(name, tiny_target):
         ancestors.append(slot + 1)
         parent_h = out[:, 1:2].expand(1, 2, -1)
         slot += 2
+
+
+def test_eagle31_norms_are_in_the_forward_and_saved(tiny_target, tmp_path):
+    """fc_norm and norm_output change what the head computes (a head that ignored them would equal plain EAGLE-3
+    with the same shared weights) and travel in config.json."""
+    torch.manual_seed(0)
+    plain = make_head("eagle3", tiny_target, num_steps=2)
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    feats = tiny_target.features(batch(tiny_target), layers=plain.feature_layers)
+    for hp in ({"fc_norm": True}, {"norm_output": True}):
+        variant = make_head("eagle3", tiny_target, num_steps=2, **hp)
+        variant.load_state_dict(plain.state_dict(), strict=False)
+        assert not torch.allclose(variant(feats).logits[1], plain(feats).logits[1])
+        save_head(variant, tmp_path / str(hp), tiny_target.identity())
+        saved = load_head(tmp_path / str(hp))[1]["hparams"]
+        assert {k: saved[k] for k in hp} == hp
