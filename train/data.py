@@ -232,6 +232,7 @@ class DraftDataModule(L.LightningDataModule):
         self.eval_sets: dict[float, list[Example]] = {}  # temperature -> the held-out text α at it is measured on
         # (both splits: the validation half picks the head and feeds predictions, the test half is only reported)
         self.eval_text: dict[float, str] = {}  # temperature -> which text that is (acceptance.json)
+        self.text_costs: list[dict] = []  # what the target's answers trained on cost to write (distill.answer)
         self.feature_cache: dict | None = None  # where the disk feature cache is, its size (features_on_disk)
         self.heldout_keys: dict[str, list[str]] = {}  # split -> the held-out prompts' keys (acceptance.json)
 
@@ -287,7 +288,8 @@ class DraftDataModule(L.LightningDataModule):
         if (respond or c.respond) == "dataset":
             records = [r for r in records if not r.needs_answer]
         else:
-            records = answer(records, self.target, sampling, force=c.respond == "target", split=split, layers=layers)
+            records = answer(records, self.target, sampling, force=c.respond == "target", split=split, layers=layers,
+                             costs=self.text_costs if split == "train" else None)
         kept = [ex for ex in (tokenize(r, self.target.tokenizer, c.max_len) for r in records) if ex.loss_mask.any()]
         if records and not kept:
             raise UserError(f"no {split} tokens to learn from in {len(records)} records (first: {records[0].where})"

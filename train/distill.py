@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -192,8 +193,10 @@ def as_question(r: Record) -> Record:
 
 
 def answer(records: list[Record], target: Target, cfg: DistillConfig, force: bool = False, split: str = "train",
-           layers=()) -> list[Record]:
-    """Records with every answer written by the target (cached). ``force``: regenerate existing answers too."""
+           layers=(), costs: list | None = None) -> list[Record]:
+    """Records with every answer written by the target (cached). ``force``: regenerate existing answers too.
+    ``costs``: gets what answering cost ({file, answers, wall_seconds, cpu_seconds}), measured now or read from the
+    cache's ``.cost.json``, so that a run served from the cache still knows what its text cost (α per CPU-minute)."""
     todo = [as_question(r) if force else r for r in records]
     pending_idx = {i for i, r in enumerate(todo) if r.needs_answer}
     if not pending_idx:
@@ -203,12 +206,17 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
     key_src = json.dumps({"version": 2, "target": target.identity(), "cfg": cfg.__dict__, "copies": copies,
                           "prompts": [[r.messages, r.followups, r.prompt] for r in pending]}, sort_keys=True)
     path = cache_dir() / "data" / f"{target.name.replace('/', '_')}-{split}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}.jsonl"
+    cost_file = path.with_suffix(".cost.json")
     if path.exists():
         log.info("self-distilled %s answers: reusing %s", split, path)
         answered = [Record(**json.loads(line), where=f"{path}:{n}") for n, line in enumerate(path.open(), 1)]
+        cost = json.loads(cost_file.read_text()) if cost_file.exists() else {"file": path.name, "unknown": True}
     else:
         log.info("self-distillation: %s answers %d %s prompts (cached at %s)", target.name, len(pending), split, path)
+        wall, cpu = time.perf_counter(), time.process_time()
         answered = _answer_all(target, pending, cfg, layers, split)
+        cost = {"file": path.name, "answers": len(answered), "wall_seconds": round(time.perf_counter() - wall, 1),
+                "cpu_seconds": round(time.process_time() - cpu, 3), "threads": torch.get_num_threads()}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks sharing a cache never share a temp file
         with tmp.open("w") as f:
@@ -217,6 +225,9 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
                     {"prompt_ids": r.prompt_ids, "token_ids": r.token_ids}
                 f.write(json.dumps(row) + "\n")
         tmp.replace(path)  # atomic: a killed run leaves no half-written cache
+        cost_file.write_text(json.dumps(cost))
+    if costs is not None:
+        costs.append(cost)
     for r, src in zip(answered, pending):  # the cache file keeps only the text
         r.category, r.split = src.category, src.split
     return [r for i, r in enumerate(todo) if i not in pending_idx] + answered

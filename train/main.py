@@ -275,6 +275,8 @@ def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
     record["trained_tokens"] = module.trained_tokens  # this process's share, this run (not before a resume)
     record["trained_tokens_total"] = module.tokens_total  # every rank, since step 0
     record["trained_tokens_per_s"] = round(module.trained_tokens / max(module.train_seconds, 1e-9), 1)
+    if data.text_costs:  # the answering that wrote the training text, even when this run read it from the cache
+        record["training_text_cost"] = data.text_costs
     if data.feature_cache:
         record["feature_cache"] = data.feature_cache
     if chosen == "best":

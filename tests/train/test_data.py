@@ -246,6 +246,22 @@ def test_features_kept_during_generation_match_a_forward_pass(tmp_path, tiny_tar
             torch.testing.assert_close(r.features[k], want.hidden[k][0], atol=1e-4, rtol=1e-4)
 
 
+def test_answering_cost_is_measured_once_and_read_back_from_the_cache(tmp_path, tiny_target, monkeypatch):
+    """What the training text cost to write travels with the cache, so a run that reads it still reports it."""
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"Count to {i}"}]}
+                                                 for i in range(4)])
+    from train.distill import DistillConfig, answer
+
+    cfg = DistillConfig(max_new_tokens=5, batch_size=2, samples_per_prompt=2)
+    fresh, cached = [], []
+    first = answer(read_sources([str(prompts)]), tiny_target, cfg, costs=fresh)
+    again = answer(read_sources([str(prompts)]), tiny_target, cfg, costs=cached)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert len(fresh) == 1 and fresh[0]["answers"] == 8 and fresh[0]["cpu_seconds"] > 0
+    assert cached == fresh and (tmp_path / "cache" / "data" / fresh[0]["file"]).exists()
+
+
 @pytest.mark.shared
 @pytest.mark.slow  # parses all ~38k training records
 def test_chat_config_reads_shared_data(compose, tmp_path):
