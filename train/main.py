@@ -69,6 +69,9 @@ class Job:
         from train.regenerate import RegenConfig
 
         plain = lambda node: OmegaConf.to_container(node, resolve=True)
+        if cfg.optim.get("name") == "muon" and "deepspeed" in str(cfg.trainer.get("strategy")):
+            raise UserError("optim.name=muon does not run under DeepSpeed (ZeRO hands the optimizer flat shards, not "
+                            "matrices); use trainer=ddp or optim.name=adamw")
         return cls(cfg, Path(cfg.out_dir), DataConfig.from_dict(plain(cfg.data)), RegenConfig(**plain(cfg.distill)),
                    LossConfig(**plain(cfg.head.loss)), OptimConfig(**plain(cfg.optim)), EvalConfig(**plain(cfg.eval)))
 

@@ -21,6 +21,7 @@ from heads.losses import LOSS_KINDS, head_loss
 from heads.target import Target
 from train import UserError
 from train.acceptance import Tally, acceptance_grid
+from train.optimizers import OPTIMIZERS, build_optimizer
 
 
 @dataclass
@@ -35,11 +36,16 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | muon (Muon on the hidden matrices, AdamW on the rest: train/optimizers.py)
     lr: float = 3e-4
     weight_decay: float = 0.0  # heads are small and trained briefly; decay mostly slows them down
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 20  # linear warm-up, then cosine to min_lr_ratio * lr over the remaining steps
     min_lr_ratio: float = 0.1
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise UserError(f"optim.name={self.name} is not an optimizer; choose one of {', '.join(OPTIMIZERS)}")
 
 
 @dataclass
@@ -154,10 +160,7 @@ class DraftModule(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.optim_cfg
-        params = [p for p in self.head.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # no decay on norms/biases
-        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+        opt = build_optimizer(o.name, self.head.named_parameters(), o.lr, o.betas, o.weight_decay)
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(o.warmup_steps, max(1, total // 10))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, o.min_lr_ratio))

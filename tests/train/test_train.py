@@ -37,6 +37,15 @@ def test_every_head_trains(name, fast_cfg, tmp_path):
     assert record["head"] == name and len(record["alpha"]) == cfg.head.hparams.num_steps
 
 
+def test_muon_trains_a_head_under_lightning(fast_cfg, tmp_path):
+    """optim.name=muon: Lightning steps Muon and AdamW as one optimizer (clipping, schedule, checkpoint)."""
+    out = tmp_path / "muon"
+    train(fast_cfg("head=eagle3", "optim.name=muon", "head.loss.kind=kl", "logger=csv", "trainer.max_steps=12",
+                   out=out))
+    losses = logged(out, "train/loss")
+    assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+
+
 def test_outputs_and_acceptance_json(fast_cfg, tmp_path):
     out = tmp_path / "run"
     record = train(fast_cfg("head=eagle3", "head.hparams.num_steps=3", "logger=wandb", "eval.extra_temperatures=[1.0]",
@@ -118,7 +127,7 @@ SAMPLED_MEDUSA = ("head=medusa", "head.hparams.num_steps=2", "head.hparams.loss_
                   "head.hparams.loss_vocab_sampled=64")
 
 
-@pytest.mark.parametrize("head", [("head=eagle",), SAMPLED_MEDUSA])
+@pytest.mark.parametrize("head", [("head=eagle",), SAMPLED_MEDUSA, ("head=eagle3", "optim.name=muon")])
 def test_resume_reproduces_uninterrupted_run(head, fast_cfg, write_chat, tmp_path, monkeypatch):
     """Crash after step 5, resume from the step-4 checkpoint: the final head equals an uninterrupted run's.
 
