@@ -44,6 +44,9 @@ ARMS = {
     "muon": ("Muon on the hidden matrices in place of AdamW", ["optim.name=muon"]),
     "one-pass": ("one pass over 3x the answers (6 per prompt, 180 steps) in place of ~3 epochs over 2 per prompt",
                  ["data.distill.samples_per_prompt=6"]),
+    "reference-text": ("training text: the datasets' reference answers (no answering cost), ~equal trained tokens",
+                       ["data.train_files=[]", "data.reference_files=[${shared:data/train/*.jsonl}]",
+                        "data.max_reference_records=2000", "trainer.max_steps=270"]),
     "greedy-text": ("training text: greedy answers (1 per prompt) in place of 2 sampled at T=0.7",
                     ["data.distill.temperature=0", "data.distill.samples_per_prompt=1"]),
 }
