@@ -105,6 +105,10 @@ case "${1:-all}" in
   llamacpp) run_locked llamacpp ;;
   eagle_ref) run_locked eagle_ref ;;
   medusa_ref) run_locked medusa_ref ;;
-  all) run_locked vllm; run_locked llamacpp; run_locked eagle_ref; run_locked medusa_ref ;;
+  all)  # the pip-only parts install while llama.cpp compiles: the compiler wants the cores, pip mostly disk and network
+    pids=(); for part in vllm eagle_ref medusa_ref; do ( run_locked "$part" ) & pids+=($!); done
+    rc=0; ( run_locked llamacpp ) || rc=$?
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    exit $rc ;;
   *) say "usage: $0 [vllm|llamacpp|eagle_ref|medusa_ref|all]"; exit 2 ;;
 esac
