@@ -31,6 +31,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads"))
 
 
+def engine_venvs() -> Path:
+    """Where scripts/engine_env.sh builds the engines' venvs (its VENVS rule: DRAFTHEADS_VENVS, else the XDG cache),
+    which is not under DRAFTHEADS_CACHE: one rule for the script, the benchmarks and the tests."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("DRAFTHEADS_VENVS") or Path(xdg) / "draftheads" / "venvs")
+
+
 def shared_dir() -> Path:
     """../shared beside the checkout (override with DRAFTHEADS_SHARED)."""
     return Path(os.environ.get("DRAFTHEADS_SHARED", REPO_ROOT.parent / "shared"))

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from heads.target import cache_dir, load_target, shared_dir  # noqa: E402
+from heads.target import engine_venvs, load_target, shared_dir  # noqa: E402
 
 BATCH = 8  # the recipe's data.batch_size; the reference trains micro-batches of 1, two per optimizer step
 GAMMA = 3
@@ -136,8 +136,7 @@ def client_target(src: Path, out: Path) -> Path:
 
 
 def eagle_ref_venv() -> Path:
-    venvs = Path(os.environ.get("DRAFTHEADS_VENVS") or cache_dir() / "venvs")
-    venv = venvs / "eagle_ref"
+    venv = engine_venvs() / "eagle_ref"
     if not (venv / ".stamp").exists():
         fail(f"no eagle_ref venv at {venv}; build it with: bash scripts/engine_env.sh eagle_ref")
     return venv

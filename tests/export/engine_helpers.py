@@ -27,11 +27,11 @@ from torch import nn
 
 from heads import build_head
 from heads.checkpoint import save_head
+from heads.target import engine_venvs
 
 ROOT = Path(__file__).resolve().parents[2]
 # Outside the clone, so a fresh clone on the same machine (CI) reuses the engines; scripts/engine_env.sh agrees.
-VENVS = Path(os.environ.get("DRAFTHEADS_VENVS") or
-             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftheads" / "venvs")
+VENVS = engine_venvs()
 ENGINE_SCRIPTS = ROOT / "scripts" / "engines"
 
 # Training prompts (hand-written, not eval data). Chat-formatted for SmolLM2-Instruct.

@@ -35,9 +35,9 @@ def tensors(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
-    from heads.target import cache_dir
+    from heads.target import engine_venvs
 
-    venvs = Path(os.environ.get("DRAFTHEADS_VENVS") or cache_dir() / "venvs")
+    venvs = engine_venvs()
     if not (venvs / "eagle_ref" / ".stamp").exists():
         reason = f"no eagle_ref venv under {venvs} (bash scripts/engine_env.sh eagle_ref)"
         if os.environ.get("REQUIRE_ENGINES") == "1":
