@@ -14,7 +14,8 @@ user + system time (getrusage) plus that text cost.
 
 An arm whose held-out prompts differ from the table's is refused (its α would not be comparable). Each arm's run
 directory is OUT/ARM; a finished arm (its row in OUT/levers.json) is not run again, so a killed study resumes.
-Writes OUT/levers.json and OUT/levers.md (Δα₁ against the base, per CPU-minute; machine, commit, commands).
+Writes OUT/levers.json, OUT/levers.md (Δα₁ against the base, per CPU-minute; machine, commit, commands) and
+OUT/levers.png (α₁ against CPU-minutes).
 """
 from __future__ import annotations
 
@@ -134,6 +135,25 @@ def markdown(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(table: dict, path: Path) -> None:
+    """α₁ (test) against CPU-minutes, one point per arm: up-left of the base is a better recipe per CPU-minute."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for e in table["arms"].values():
+        ax.scatter(e["cpu_minutes"], e["alpha_test"][0], color="C3" if e["arm"].startswith("base") else "C0")
+        ax.annotate(e["arm"], (e["cpu_minutes"], e["alpha_test"][0]), textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("CPU-minutes (run + training text)")
+    ax.set_ylabel("α₁, Spec-Bench test split, T = 0")
+    ax.set_title(f"One lever at a time ({table['machine']['cpu']}, {table['date']})", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_arm(out: Path, name: str, overrides: list[str], base: list[str], env: dict, threads: int) -> tuple:
     """train/main.py in a subprocess; returns (acceptance record, its CPU seconds, wall seconds, start time)."""
     cmd = [sys.executable, str(ROOT / "train/main.py"), *base, *overrides, f"hydra.run.dir={out / name}"]
@@ -181,6 +201,8 @@ def main() -> None:
     except Refused as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if table["arms"]:
+        plot(table, out / "levers.png")
     print(markdown(table))
 
 

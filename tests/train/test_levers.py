@@ -26,7 +26,7 @@ def record(keys, alpha=(0.3, 0.2, 0.1), costs=()):
             "test": {"alpha": list(alpha), "tau_predicted": {"1": 1.3, "2": 1.36, "3": 1.38}, "num_tokens": 500}}
 
 
-def test_an_arm_on_other_heldout_prompts_is_refused():
+def test_an_arm_on_other_heldout_prompts_is_refused(tmp_path):
     m = levers()
     table = {"arms": {}}
     same = {"validation": ["a", "c"], "test": ["b", "d"]}
@@ -38,6 +38,8 @@ def test_an_arm_on_other_heldout_prompts_is_refused():
     assert list(table["arms"]) == ["base", "loss-lk"]
     text = m.markdown({**table, "date": "d", "machine": m.machine(), "threads": 2, "commit": "c", "base": []})
     assert "| loss-lk |" in text and "+0.050" in text and "muon" not in text
+    m.plot({**table, "date": "d", "machine": m.machine()}, tmp_path / "levers.png")
+    assert (tmp_path / "levers.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_text_cost_is_charged_only_when_written_before_the_arm(tmp_path):
