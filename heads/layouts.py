@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 EXPORT_METADATA = "draftheads_export.json"  # export/main.py's METADATA
 # The hparams that decide which tensors a head holds and their shapes; the rest (a chain head's K, loss weights,
 # the loss vocabulary) are training choices the run's own config keeps.
-SHAPE_HPARAMS = {"medusa": ("num_steps", "num_layers", "bias"), "eagle3": ("draft_vocab_size", "fc_norm", "norm_output"), "eagle": (),
-                 "mtp": ("num_steps",)}
+SHAPE_HPARAMS = {"medusa": ("num_steps", "num_layers", "bias"), "eagle": (), "mtp": ("num_steps",),
+                 "eagle3": ("draft_vocab_size", "fc_norm", "norm_output")}
 
 
 def safeailab_aux(num_layers: int) -> list[int]:

@@ -32,6 +32,7 @@ def scored_logits(out: HeadOutput, mask: torch.Tensor, k: int) -> torch.Tensor:
     read out only there. Rows in the order of ``target[:, k:][mask[:, k:]]``."""
     return out.step_logits(k, out.states[k - 1][:, :-k][mask[:, k:]])
 
+
 LOSS_KINDS = ("soft_ce", "kl", "tv", "lk", "lk_alpha")
 
 

@@ -329,8 +329,8 @@ def test_lk_alpha_is_tv_scaled_by_one_over_alpha_and_ce_on_a_point_mass():
 
 
 def test_lk_hybrid_leans_on_kl_when_alpha_is_low_and_on_tv_when_high():
-    """λ = exp(-η α) with α detached: the gradient is λ ∇KL + (1 - λ) ∇TV and nothing flows through λ. A far draft
-    (α ~ 0) gets KL's gradient, a near one mostly TV's; the loss is 0 where the draft is the target."""
+    """λ = exp(-η α) with α detached: the gradient is λ ∇KL + (1 - λ) ∇TV and nothing flows through λ. A far
+    draft (α ~ 0) gets KL's gradient, a near one mostly TV's; the loss is 0 where the draft is the target."""
     from heads.losses import distill_loss
 
     g = torch.Generator().manual_seed(1)
