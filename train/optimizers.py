@@ -19,7 +19,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, matrices, others, lr: float, betas, weight_decay: float, muon_weight_decay: float = 0.1):
         self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=muon_weight_decay,
                                      adjust_lr_fn="match_rms_adamw")  # AdamW's update size: the same lr works
-        self.adamw = torch.optim.AdamW(others, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        self.adamw = torch.optim.AdamW(decay_groups(others, weight_decay), lr=lr, betas=tuple(betas))
         super().__init__([*matrices, *others], {"lr": lr})  # the base class's bookkeeping (hooks, zero_grad)
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
@@ -50,14 +50,18 @@ class MuonAdamW(torch.optim.Optimizer):
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
 
+def decay_groups(params, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: none on norms and biases."""
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
 def build_optimizer(name: str, named_params, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW with no decay on norms and biases, or MuonAdamW: Muon on the hidden matrices (not lm_head, not
     embeddings), AdamW on everything else."""
     params = [(n, p) for n, p in named_params if p.requires_grad]
     if name == "adamw":
-        groups = [{"params": [p for _, p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+        return torch.optim.AdamW(decay_groups([p for _, p in params], weight_decay), lr=lr, betas=tuple(betas))
     if name == "muon":
         hidden = lambda n, p: p.ndim == 2 and "lm_head" not in n and "embed" not in n
         matrices = [p for n, p in params if hidden(n, p)]
