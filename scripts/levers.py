@@ -14,7 +14,7 @@ user + system time (getrusage) plus that text cost.
 
 An arm whose held-out prompts differ from the table's is refused (its α would not be comparable). Each arm's run
 directory is OUT/ARM; a finished arm (its row in OUT/levers.json) is not run again, so a killed study resumes.
-Writes OUT/levers.json, OUT/levers.md (Δα₁ against the base, per CPU-minute; machine, commit, commands) and
+Writes OUT/levers.json, OUT/levers.md (Δα₁ and ΔCPU-minutes against the base; machine, commit, commands) and
 OUT/levers.png (α₁ against CPU-minutes).
 """
 from __future__ import annotations
@@ -122,15 +122,14 @@ def markdown(table: dict) -> str:
              f"Base: `python train/main.py {' '.join(table['base'])}`; held-out set {table.get('heldout')} "
              f"(Spec-Bench test split, T = 0). CPU-minutes = the run's user + system time + its training text's "
              f"answering (the held-out answers are charged to no arm).", "",
-             "| arm | lever | α₁ / α₂ / α₃ (test) | Δα₁ | τ(γ=3) | CPU-min (run + text) | Δα₁ per CPU-min | "
-             "trained tokens | overrides |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+             "| arm | lever | α₁ / α₂ / α₃ (test) | Δα₁ | τ(γ=3) | CPU-min (run + text; Δ) | trained tokens | "
+             "overrides |", "|---|---|---|---:|---:|---:|---:|---|"]
     for e in table["arms"].values():
         d = e["alpha_test"][0] - base["alpha_test"][0] if base else float("nan")
         dc = e["cpu_minutes"] - base["cpu_minutes"] if base else float("nan")
-        per = f"{d / e['cpu_minutes']:+.4f}" if base else ""
         lines.append(f"| {e['arm']} | {e['lever']} | {' / '.join(f'{a:.3f}' for a in e['alpha_test'])} | "
                      f"{d:+.3f} | {e['tau_test']:.2f} | {e['cpu_minutes']:.1f} ({e['cpu_minutes_run']:.1f} + "
-                     f"{e['cpu_minutes_text']:.1f}; {dc:+.1f}) | {per} | {e['trained_tokens']:,} | "
+                     f"{e['cpu_minutes_text']:.1f}; {dc:+.1f}) | {e['trained_tokens']:,} | "
                      f"`{' '.join(e['overrides'])}` |")
     return "\n".join(lines) + "\n"
 
