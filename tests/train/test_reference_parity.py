@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-pytestmark = [pytest.mark.slow, pytest.mark.shared]
+pytestmark = [pytest.mark.slow, pytest.mark.shared, pytest.mark.engine]
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS, DRAFT_VOCAB = 1200, 128
 
