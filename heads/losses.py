@@ -109,7 +109,7 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
 
 def full_vocab_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce", step_decay: float = 1.0):
     """The distillation loss of ``head_loss`` written the plain way: every position's logits, the target's
-    softmax per step, then the mask. ``head_loss`` must equal it; tests and scripts/bench_vocab_cost.py hold it
+    softmax per step, then the mask. ``head_loss`` must equal it; tests and `bench vocab` hold it
     as the reference (it is what training computed before logits were read out late)."""
     total = 0.0
     for k, logits in enumerate(out.logits, start=1):

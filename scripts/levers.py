@@ -23,13 +23,14 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from bench.common import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_BENCH = "data.eval_files=[${shared:data/eval/spec_bench/question.jsonl}]"
@@ -55,15 +56,6 @@ ARMS = {
 
 class Refused(Exception):
     """An arm that cannot join the table (one line: what differs and what to do)."""
-
-
-def machine() -> dict:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "")
-    flags = next((set(l.split(":", 1)[1].split()) for l in info.splitlines() if l.startswith("flags")), set())
-    units = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return {"cpu": name or platform.processor(), "units": units, "cores": os.cpu_count(),
-            "load_average_at_start": os.getloadavg()[0]}
 
 
 def commit() -> str:
@@ -117,7 +109,7 @@ def add(table: dict, entry: dict) -> None:
 def markdown(table: dict) -> str:
     base = table["arms"].get("base")
     lines = [f"# Levers: α per CPU-minute ({table['date']})", "",
-             f"Machine: {table['machine']['cpu']} ({', '.join(table['machine']['units'])}), "
+             f"Machine: {table['machine']['cpu']} ({', '.join(table['machine']['cpu_units'])}), "
              f"{table['machine']['cores']} cores, {table['threads']} threads; commit `{table['commit']}`.",
              f"Base: `python train/main.py {' '.join(table['base'])}`; held-out set {table.get('heldout')} "
              f"(Spec-Bench test split, T = 0). CPU-minutes = the run's user + system time + its training text's "

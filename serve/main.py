@@ -121,7 +121,7 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     if choice is not None:  # a prediction from acceptance.json: say whether these prompts are the text it came from
         try:
             choice["prompts_unseen_by_alpha"] = check_unseen(prompts, Path(choice["acceptance_json"]))
-        except UserError as e:  # serving may decode anything; a benchmark (scripts/bench*.py) refuses instead
+        except UserError as e:  # serving may decode anything; a benchmark (python -m bench) refuses instead
             log.warning("%s", e)
             choice["prompts_unseen_by_alpha"] = "overlap"
     run_head = None if setting.kind == "plain" else head  # plain decoding needs no commits

@@ -2,7 +2,7 @@
 
 gpt-fast's shape, reading HF weights: ``Transformer.from_hf(hf_model)`` takes the HF ``LlamaForCausalLM``'s tensors
 as they are (no copy, so the HF model and this one share memory), except that q/k/v and gate/up are fused into one
-matrix each (fewer, larger matmuls per layer; see scripts/bench_step.py for what each choice measured). The cache holds
+matrix each (fewer, larger matmuls per layer; see `bench step` for what each choice measured). The cache holds
 ``max_slots`` rows per layer, indexed by *slot*; a forward over T tokens writes rows start..start+T-1 and attends
 over rows 0..start+T-1. Rotary positions are separate from slots: in a tree, siblings share a position but not a
 slot. Rolling back rejected drafts is just a shorter ``start`` next time (their rows are overwritten); after tree
@@ -36,7 +36,7 @@ class Linear(nn.Linear):
 
     Same product, but MKL's GEMM runs the tall-times-few-columns shape far faster: on the 2-core AMD EPYC this
     project measures on, for SmolLM2-135M's matrices at T = 4, 81 ms against 142 ms per pass (one thread;
-    scripts/bench_step.py). The verify pass over γ + 1 tokens is what r(γ + 1) measures, so this is the speculative
+    `bench step`). The verify pass over γ + 1 tokens is what r(γ + 1) measures, so this is the speculative
     speedup's denominator. One token and long prompts keep nn.Linear (no gain there). The result is made
     contiguous again: left as the transposed view, every later op (rotary, SDPA, which then falls back to its
     math path) ran on hd-major strides and a 4-token pass cost ~25% more.
@@ -169,7 +169,7 @@ def attend(q, k, v, mask):
     CPU SDPA splits a few tokens' attention (9 heads × ≤ 16 rows here) over every OpenMP thread, and the split
     costs far more than it saves: on the project's 2-core box a one-token SmolLM2-135M step took 131 ms with it
     against 65 ms with attention on one thread and the projections still on two (machine shared with a 2-thread
-    training job, best of 5; scripts/bench_step.py prints both rows). For 2-8 token passes the same runs were too
+    training job, best of 5; `bench step` prints both rows). For 2-8 token passes the same runs were too
     noisy to call either way. The switch costs well under a microsecond; it is process-wide, so two models
     stepping in parallel threads of one process would see each other's setting.
     q [1, nH, T, hd], k and v [1, nKV, S, hd] -> [1, T, nH·hd], the heads side by side (o_proj's input)."""
@@ -288,7 +288,7 @@ class Transformer(nn.Module):
         Prompts stay eager (``last_only`` passes, as the decode loop's prefill is, and any pass over more than
         COMPILED_MAX_TOKENS): they are GEMMs that dispatch overhead barely touches, and every new prompt length,
         hidden-state set and last_only flag cost dynamo another graph, some in the middle of a benchmark's timed
-        requests (a 4-head scripts/bench.py run had compiled 26 graphs and was still compiling)."""
+        requests (a 4-head `bench decode` run had compiled 26 graphs and was still compiling)."""
         threads = torch.get_num_threads()  # fixed now: a traced thread query breaks the graph
         for module in self.modules():
             if isinstance(module, Linear) and module.weight_t is not None:

@@ -1,4 +1,5 @@
-"""Imports run one way: train/, export/, serve/ -> heads/, never sideways; heads/ imports none of them."""
+"""Imports run one way: train/, export/, serve/ -> heads/, never sideways; heads/ imports none of them; bench/ sits on
+top of all four and nothing of the library imports it."""
 from __future__ import annotations
 
 import ast
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("heads", "train", "export", "serve")
-ALLOWED = {"heads": {"heads"}, "train": {"heads", "train"}, "export": {"heads", "export"}, "serve": {"heads", "serve"}}
+PACKAGES = ("heads", "train", "export", "serve", "bench")
+ALLOWED = {"heads": {"heads"}, "train": {"heads", "train"}, "export": {"heads", "export"}, "serve": {"heads", "serve"},
+           "bench": set(PACKAGES)}
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -58,3 +60,20 @@ def test_scripts_import_no_project_code_sideways():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "scripts":
                 pytest.fail(f"{f} imports scripts/")
+
+
+def test_no_private_names_imported_across_packages():
+    """A name with a leading underscore is its module's own business: another package (or a script) that needs it
+    gets a public name instead. Tests may reach in: they test the module itself."""
+    bad = []
+    for f in project_python_files():
+        home = f.relative_to(ROOT).parts[0]
+        if home == "tests":
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                root = node.module.split(".")[0]
+                if root in PACKAGES and root != home:
+                    bad += [f"{f.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not bad, f"private names imported across packages: {bad}"

@@ -150,7 +150,7 @@ def sample(model, prompts: list[list[int]], cfg: DistillConfig, stop: list[int],
     return tokens, feats
 
 
-def _prompt_ids(r: Record, tok) -> list[int]:
+def prompt_ids(r: Record, tok) -> list[int]:
     if r.messages is not None:
         text = chat.render(tok, r.messages, add_generation_prompt=True)
         return tok(text, add_special_tokens=False).input_ids
@@ -166,7 +166,7 @@ def _answer_all(target: Target, pending: list[Record], cfg: DistillConfig, layer
         if not todo:
             return pending
         turn += 1
-        prompts = [_prompt_ids(r, tok) for r in todo]
+        prompts = [prompt_ids(r, tok) for r in todo]
         last = [not r.followups for r in todo]
         outputs, feats = sample(target.model, prompts, cfg, stop, tok.pad_token_id, layers,
                                 desc=f"{split} answers (turn {turn})")

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from heads.target import Target, cache_dir
 from train import UserError
-from train.distill import DistillConfig, _answer_all, _prompt_ids, as_question
+from train.distill import DistillConfig, _answer_all, prompt_ids, as_question
 from heads.records import Record, read_sources
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def answer_shard(target: Target, records: list[Record], ids: list[str], dcfg: Di
                  max_prompt_len: int) -> tuple[list[dict], int]:
     """Rows for one shard (skipped prompts as {"id", "skipped"}) and the number of tokens the target generated."""
     tok = target.tokenizer
-    fits = [len(_prompt_ids(r, tok)) <= max_prompt_len for r in records]
+    fits = [len(prompt_ids(r, tok)) <= max_prompt_len for r in records]
     todo = [Record(messages=r.messages and list(r.messages), followups=list(r.followups), prompt=r.prompt,
                    where=r.where) for r, ok in zip(records, fits) if ok]
     answered = iter(_answer_all(target, todo, dcfg, (), "distill") if todo else [])

@@ -6,7 +6,7 @@ in-process (``uni`` executor): one process spawn per run instead of two. (A full
 VLLM_ENABLE_V1_MULTIPROCESSING=0, loads faster but generated 5-10x slower here: vLLM drops torch to one thread.)
 
     python vllm_generate.py --plan plan.json --prompts prompts.json --out result.json [--max-tokens 48]
-        [--temperatures 0 1 --reps 3 --sequential]   # scripts/bench_engines.py: timed, one request at a time
+        [--temperatures 0 1 --reps 3 --sequential]   # `bench engines`: timed, one request at a time
 
 plan.json: [{"name": "base", "model": TARGET_DIR},
             {"name": "eagle", "model": TARGET_DIR, "method": "eagle", "draft": DIR, "k": 3},

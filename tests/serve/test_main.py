@@ -165,8 +165,8 @@ def test_spec_bench_subset(tiny_target):
 
 
 def run_bench_adaptive(files, out, *args) -> dict:
-    """scripts/bench_adaptive.py on the tiny target's EAGLE head, 3 prompts, one rep; its adaptive.json."""
-    cmd = [sys.executable, "scripts/bench_adaptive.py", "--target", "tiny-random", "--heads", str(files / "eagle"),
+    """`bench adaptive` on the tiny target's EAGLE head, 3 prompts, one rep; its adaptive.json."""
+    cmd = [sys.executable, "-m", "bench", "adaptive", "--target", "tiny-random", "--heads", str(files / "eagle"),
            "--prompts", str(files / "prompts.jsonl"), "--split", "all", "--limit", "3", "--reps", "1", "--threads", "1",
            "--out", str(out), *args]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True)
@@ -175,7 +175,7 @@ def run_bench_adaptive(files, out, *args) -> dict:
 
 @pytest.mark.slow
 def test_bench_adaptive_compares_every_method_with_plain_and_the_best_fixed(files, tmp_path):
-    """scripts/bench_adaptive.py end to end on a tiny target: plain, each fixed chain, auto's tree and both adaptive
+    """`bench adaptive` end to end on a tiny target: plain, each fixed chain, auto's tree and both adaptive
     modes on the same prompts; "best fixed" is the fastest fixed setting and every ratio is against plain's rate."""
     report = run_bench_adaptive(files, tmp_path, "--max-new-tokens", "12", "--temperatures", "0")
     (result,) = report["results"]

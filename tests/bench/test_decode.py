@@ -1,4 +1,4 @@
-"""scripts/bench.py --quick runs end to end and writes its three outputs (a smoke test, not a timing test); its
+"""`python -m bench decode --quick` runs end to end and writes its three outputs (a smoke test, not a timing test); its
 prediction comes from acceptance.json alone, and it refuses prompts the head's α was measured on."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.shared
 def test_bench_quick(tmp_path):
-    cmd = [sys.executable, "scripts/bench.py", "--quick", "--target", "tiny-random", "--threads", "1",
+    cmd = [sys.executable, "-m", "bench", "decode", "--quick", "--target", "tiny-random", "--threads", "1",
            "--untrained", "medusa", "eagle", "--out", str(tmp_path)]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=900, capture_output=True)
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -36,9 +36,9 @@ def test_bench_quick(tmp_path):
 @pytest.mark.slow
 @pytest.mark.shared
 def test_bench_fixed_gamma_is_one_chain_per_head(tmp_path):
-    """--gamma/--baselines (what scripts/bench_engines.py asks for): HF generate, vanilla and one γ-chain per head,
+    """--gamma/--baselines (what `bench engines` asks for): HF generate, vanilla and one γ-chain per head,
     still exact (greedy text equals HF's), with r(n) measured only where that chain reads it."""
-    cmd = [sys.executable, "scripts/bench.py", "--quick", "--target", "tiny-random", "--threads", "1",
+    cmd = [sys.executable, "-m", "bench", "decode", "--quick", "--target", "tiny-random", "--threads", "1",
            "--untrained", "medusa", "eagle", "--gamma", "2", "--baselines", "hf_generate", "--out", str(tmp_path)]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=900, capture_output=True)
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -72,7 +72,7 @@ def head_with_acceptance(tiny_target, path: Path, alpha: list[float], keys: dict
 
 
 def run_bench(path: Path, out: Path, *extra) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "scripts/bench.py", "--quick", "--target", "tiny-random", "--threads", "1",
+    cmd = [sys.executable, "-m", "bench", "decode", "--quick", "--target", "tiny-random", "--threads", "1",
            "--heads", str(path), "--gamma", "3", "--baselines", "hf_generate", "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, timeout=900, capture_output=True, text=True)
 

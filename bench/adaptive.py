@@ -1,7 +1,7 @@
 """Adaptive drafting against the best fixed setting and against plain decoding, head by head (weak and strong).
 
-    python scripts/bench_adaptive.py --heads runs/eagle3-weak runs/eagle3 --out adaptive_out
-    python scripts/bench_adaptive.py --target stories260k --prompts stories.jsonl --heads /tmp/weak /tmp/strong
+    python -m bench adaptive --heads runs/eagle3-weak runs/eagle3 --out adaptive_out
+    python -m bench adaptive --target stories260k --prompts stories.jsonl --heads /tmp/weak /tmp/strong
 
 Each head is a directory (DIR or DIR/head) with acceptance.json in or beside it. Per head and temperature, on the
 same prompts, interleaved prompt by prompt (best of --reps per prompt, so load on the machine hits every method
@@ -15,50 +15,30 @@ Writes OUT/adaptive.json and OUT/adaptive.md.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import sys
 import time
 from collections import Counter
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-from heads.errors import UserError
-from heads.target import load_target, shared_dir
+from bench import common
 from serve import auto, calibrate
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.loading import load_draft_head
-from serve.prompts import check_unseen, load_prompts, stop_ids
-from serve.model import Transformer
+from serve.prompts import check_unseen, stop_ids
 from serve.setting import Costs, Setting
 from serve.tree import build_tree
 
 TREES = {"medusa": "static", "eagle": "dynamic", "eagle3": "dynamic"}
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
+def add_arguments(p) -> None:
+    common.add_common(p, "target", "prompts", "split", "per-task", "limit", "max-new-tokens", "temperatures", "reps",
+                      "threads", "compile", "out", limit=8, out="adaptive_out")
     p.add_argument("--heads", nargs="+", required=True, help="head dirs with acceptance.json in or beside them")
-    p.add_argument("--prompts", default=str(shared_dir() / "data/eval/spec_bench/question.jsonl"))
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--per-task", type=int, default=None, help="at most N prompts per Spec-Bench task")
-    p.add_argument("--split", default="test", choices=["test", "validation", "all"],
-                   help="which half of the prompts (heads/splits.py): α and calibration use validation")
-    p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--reps", type=int, default=2, help="runs per prompt and method; the fastest counts")
     p.add_argument("--ignore-eos", action="store_true", help="decode --max-new-tokens past end-of-turn: at T > 0 "
                    "each method samples its own text, and unequal lengths spread the prefill unequally")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--compile", action="store_true", help="compile the target's passes (serve compile=true); "
-                   "each pass kind compiles in the untimed warm-up or, for shapes only adaptive meets, when first met")
-    p.add_argument("--out", default="adaptive_out")
-    return p.parse_args()
 
 
 def methods_for(head, read: dict, costs: Costs) -> dict[str, Setting]:
@@ -160,14 +140,10 @@ def run_head(model, head, head_dir, prompts, stops, args, T) -> dict:
 
 
 def markdown(report) -> str:
-    m = report["machine"]
-    lines = [f"# Adaptive drafting on {report['target']}", "",
-             f"{report['date']} · {m['cpu'] or m['platform']} · {m['threads']} threads · torch {m['torch']}"
-             f"{' · ' + m['gpu'] if m['gpu'] else ''} · {report['prompts']} prompts · "
-             f"{report['max_new_tokens']} new tokens{' (end-of-turn ignored)' if report.get('ignore_eos') else ''}"
-             f" · best of {report['reps']} per prompt"
-             f"{' · compiled' if report.get('compiled') else ''}", "",
-             f"`{report['command']}`", ""]
+    lines = common.header(report, f"Adaptive drafting on {report['target']}",
+                          f"{report['prompts']} prompts · {report['max_new_tokens']} new tokens"
+                          f"{' (end-of-turn ignored)' if report.get('ignore_eos') else ''} · best of {report['reps']} "
+                          f"per prompt{' · compiled' if report.get('compiled') else ''}")
     for r in report["results"]:
         lines += [f"## {r['head']} ({r['family']}), T = {r['temperature']}", "",
                   f"α per position ({r['tau_source']}): {[round(a, 3) for a in r['alpha']]}; "
@@ -188,20 +164,11 @@ def markdown(report) -> str:
     return "\n".join(lines)
 
 
-def main():
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = load_target(args.target, dtype="bfloat16" if device == "cuda" else "float32", device=device)
-    model = Transformer.from_hf(target.model)
-    if args.compile:
-        model.compile()
-    prompts = load_prompts(args.prompts, target.tokenizer, args.chat_template, args.per_task, args.limit,
-                           None if args.split == "all" else args.split)
-    records, prompts = prompts, [torch.tensor(p["prompt_ids"], device=device) for p in prompts]
+def main(args):
+    out = common.start(args, "adaptive")
+    target, model, device = common.load_runner(args)
+    records = common.spec_bench(args, target.tokenizer, args.chat_template)
+    prompts = [torch.tensor(p["prompt_ids"], device=device) for p in records]
     stops = () if args.ignore_eos else stop_ids(target.tokenizer, target.model.config)
     results = []
     for d in args.heads:
@@ -209,24 +176,7 @@ def main():
         check_unseen(records, auto.find_acceptance(head_dir))  # its α must come from other prompts than these
         for T in args.temperatures:
             results.append(run_head(model, head, head_dir, prompts, stops, args, T))
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), "") if Path("/proc/cpuinfo").exists() else ""
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "machine": {"platform": platform.platform(), "cpu": cpu, "threads": torch.get_num_threads(),
-                          "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else None},
-              "target": args.target, "compiled": args.compile, "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "reps": args.reps,
-              "results": results}
-    tmp = out / "adaptive.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out / "adaptive.json")
-    (out / "adaptive.md").write_text(markdown(report))
-    print((out / "adaptive.md").read_text())
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # bad input (prompts, a head's α text overlapping them): one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    report = common.record(target=args.target, compiled=args.compile, prompts=len(prompts),
+                           max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, reps=args.reps,
+                           results=results)
+    common.write(out, "adaptive", report, markdown(report))
