@@ -51,7 +51,11 @@ ARMS = {
                         "data.max_reference_records=2000", "trainer.max_steps=270"]),
     "greedy-text": ("training text: greedy answers (1 per prompt) in place of 2 sampled at T=0.7",
                     ["data.distill.temperature=0", "data.distill.samples_per_prompt=1"]),
+    "bf16": ("bf16-mixed training and feature passes (CPUs with AMX or AVX512-BF16 only)",
+             ["trainer.precision=bf16-if-native"]),
 }
+# Arms that mean nothing on some machines: bf16-if-native is fp32 (the base again) on a CPU without bf16 units.
+NEEDS_BF16_UNITS = {"bf16"}
 
 
 class Refused(Exception):
@@ -62,6 +66,13 @@ def commit() -> str:
     run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = run("status", "--porcelain", "--", "heads", "train", "conf", "scripts/levers.py")
     return run("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+
+
+def check_machine(name: str, m: dict) -> None:
+    """Refuse an arm this machine cannot measure (it would rerun the base under another name)."""
+    if name in NEEDS_BF16_UNITS and not {"avx512_bf16", "amx_bf16"} & set(m["cpu_units"]):
+        raise Refused(f"arm {name} needs a CPU with AMX or AVX512-BF16 (this one has "
+                      f"{', '.join(m['cpu_units']) or 'neither'}); drop it from --arms")
 
 
 def heldout_digest(record: dict) -> str:
@@ -185,6 +196,7 @@ def main() -> None:
                 print(f"levers: {name}: done before, kept", flush=True)
                 continue
             lever, overrides = ARMS[name]
+            check_machine(name, table["machine"])
             record, cpu, wall, start = run_arm(out, name, overrides, base, env, args.threads)
             add(table, row(name, lever, overrides, record, cpu, text_cpu_seconds(record, start, cache), wall))
             path.write_text(json.dumps(table, indent=1))

@@ -55,3 +55,11 @@ def test_text_cost_is_charged_only_when_written_before_the_arm(tmp_path):
     assert m.text_cpu_seconds(record({}, costs=costs), start, tmp_path) == 120.0  # bb: the arm's own getrusage
     with pytest.raises(m.Refused, match="no recorded cost"):
         m.text_cpu_seconds(record({}, costs=[{"file": "x.jsonl", "unknown": True}]), start, tmp_path)
+
+
+def test_the_bf16_arm_is_refused_on_a_cpu_without_bf16_units():
+    m = levers()
+    with pytest.raises(m.Refused, match="arm bf16 needs a CPU with AMX or AVX512-BF16"):
+        m.check_machine("bf16", {"cpu_units": ["avx2", "avx512f"]})
+    m.check_machine("bf16", {"cpu_units": ["avx2", "avx512f", "avx512_bf16"]})
+    m.check_machine("muon", {"cpu_units": ["avx2"]})
