@@ -84,3 +84,11 @@ def test_muon_under_deepspeed_is_refused_in_one_line(compose, tmp_path):
     cfg = compose(tmp_path, "optim.name=muon", "trainer=deepspeed_zero2")
     with pytest.raises(UserError, match="optim.name=muon does not run under DeepSpeed.*trainer=ddp"):
         Job.from_cfg(cfg)
+
+
+def test_auto_is_muon_except_under_deepspeed(compose, tmp_path):
+    from train.main import Job
+
+    assert Job.from_cfg(compose(tmp_path / "a")).optim.name == "muon"
+    assert Job.from_cfg(compose(tmp_path / "b", "trainer=deepspeed_zero2")).optim.name == "adamw"
+    assert Job.from_cfg(compose(tmp_path / "c", "optim.name=adamw")).optim.name == "adamw"
