@@ -39,7 +39,7 @@ COMMON = ["target=tiny-random", "head=eagle3", "logger=csv", "trainer.enable_pro
           f"trainer.max_steps={STEPS}", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
           "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=4", "data.batch_size=4",
           "data.eval_batch_size=4", "data.respond=dataset", "optim.warmup_steps=2", "optim.lr=3e-3",
-          "head.loss.kind=kl"]
+          "head.loss.kind=kl", "optim.name=adamw"]  # the one optimizer every strategy runs (auto: Muon off DeepSpeed)
 TWO_CPU_RANKS = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
 
 
@@ -143,6 +143,13 @@ def deepspeed_zero2(tmp_path_factory, files):
 def test_ddp_two_processes_match_single(ddp, single, heldout_loss):
     assert_same_run(ddp, single, heldout_loss)
     assert (ddp / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_ddp_with_muon_matches_single(tmp_path, files, heldout_loss):
+    """Muon (the default, optim.name=auto) orthogonalises the all-reduced gradient: two ranks step as one process."""
+    single_muon = run_job(tmp_path / "single", files, "optim.name=muon", "trainer.accumulate_grad_batches=2")
+    run = run_job(tmp_path / "ddp", files, "optim.name=muon", "trainer=ddp", *TWO_CPU_RANKS)
+    assert_same_run(run, single_muon, heldout_loss)
 
 
 def test_deepspeed_zero1_two_processes_match_single(tmp_path, files, single, heldout_loss):
