@@ -43,8 +43,9 @@ ARMS = {
     "loss-lk": ("loss: LK hybrid λ·KL + (1-λ)·TV, λ = exp(-3α)", ["head.loss.kind=lk"]),
     "eagle3.1": ("EAGLE 3.1 normalisation (fc_norm, norm_output)",
                  ["head.hparams.fc_norm=true", "head.hparams.norm_output=true"]),
-    "adamw": ("AdamW in place of Muon (optim.name=auto; the default before this study's muon arm won)",
-              ["optim.name=adamw"]),
+    # optim.name=auto is Muon for EAGLE-3 and AdamW for the other heads: each arm is a lever for one kind of base
+    "muon": ("Muon on the hidden matrices (a base of another head than EAGLE-3)", ["optim.name=muon"]),
+    "adamw": ("AdamW in place of Muon (an EAGLE-3 base)", ["optim.name=adamw"]),
     "one-pass": ("one pass over 3x the answers (6 per prompt, 180 steps) in place of ~3 epochs over 2 per prompt",
                  ["data.distill.samples_per_prompt=6"]),
     "reference-text": ("training text: the datasets' reference answers (no answering cost), ~equal trained tokens",

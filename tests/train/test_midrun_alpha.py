@@ -70,7 +70,7 @@ def falling(monkeypatch, crash_at: int | None = None):
 @pytest.fixture
 def falling_cfg(fast_cfg):
     return lambda out, *extra: fast_cfg("head=eagle3", "head.hparams.num_steps=3", "logger=csv", "head.loss.kind=kl",
-                                        "optim.lr=3e-3", "trainer.max_steps=12", *extra, out=out)
+                                        "optim.lr=3e-3", "optim.name=adamw", "trainer.max_steps=12", *extra, out=out)
 
 
 def test_best_check_is_kept_when_alpha_falls(falling_cfg, tmp_path, monkeypatch):
