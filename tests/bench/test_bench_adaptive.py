@@ -9,22 +9,12 @@ import sys
 import pytest
 
 from bench.common import ROOT
-from heads.checkpoint import save_head
-from tests.serve.conftest import perturbed_head, runner_model
+from tests.serve.conftest import write_heads_and_prompts
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, tiny_target):
-    d = tmp_path_factory.mktemp("adaptive")
-    model = runner_model(tiny_target)
-    save_head(perturbed_head("eagle", tiny_target, model), d / "eagle" / "head", tiny_target.identity())
-    (d / "eagle" / "acceptance.json").write_text(json.dumps(
-        {"alpha": [0.6, 0.5, 0.4], "temperature": 0.0, "alpha_by_temperature": {"0.0": [0.6, 0.5, 0.4]}}))
-    lines = [{"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
-             {"prompt": "Once upon a time", "id": "story"},
-             {"question_id": 7, "category": "qa", "turns": ["Why is the sky blue?", "And the sea?"]}]
-    (d / "prompts.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    return d
+    return write_heads_and_prompts(tmp_path_factory.mktemp("adaptive"), tiny_target, ("eagle",))
 
 
 def run_bench_adaptive(files, out, *args) -> dict:

@@ -2,12 +2,15 @@
 the target's own greedy decoding as the reference."""
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from heads import build_head
+from heads.checkpoint import save_head
 from serve.model import Transformer
 
 
@@ -40,6 +43,21 @@ def perturbed_head(family, target, model, num_steps=3, std=0.02, seed=1):
             p.add_(torch.randn(p.shape, generator=g) * std)
     return head.eval()
 
+
+
+def write_heads_and_prompts(d: Path, target, families) -> Path:
+    """What serve/ and bench read from disk: DIR/FAMILY/head with an acceptance.json beside it (α 0.6/0.5/0.4 at
+    T = 0), and DIR/prompts.jsonl with one record in each prompt layout (chat, plain prompt, Spec-Bench)."""
+    model = runner_model(target)
+    for family in families:
+        save_head(perturbed_head(family, target, model), d / family / "head", target.identity())
+        (d / family / "acceptance.json").write_text(json.dumps(
+            {"alpha": [0.6, 0.5, 0.4], "temperature": 0.0, "alpha_by_temperature": {"0.0": [0.6, 0.5, 0.4]}}))
+    lines = [{"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
+             {"prompt": "Once upon a time", "id": "story"},
+             {"question_id": 7, "category": "qa", "turns": ["Why is the sky blue?", "And the sea?"]}]
+    (d / "prompts.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return d
 
 class OracleHead:
     """Wraps a real head (its caches, commits and steps all run) and, with probability ``hit``, boosts the token

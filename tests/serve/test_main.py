@@ -11,11 +11,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from heads.checkpoint import save_head
 from heads.errors import UserError
 from serve.main import serve
 from serve.prompts import load_prompts
-from tests.serve.conftest import perturbed_head, runner_model
+from tests.serve.conftest import write_heads_and_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,17 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, tiny_target):
-    d = tmp_path_factory.mktemp("serve")
-    model = runner_model(tiny_target)
-    for family in ("eagle", "medusa"):
-        save_head(perturbed_head(family, tiny_target, model), d / family / "head", tiny_target.identity())
-        (d / family / "acceptance.json").write_text(json.dumps(
-            {"alpha": [0.6, 0.5, 0.4], "temperature": 0.0, "alpha_by_temperature": {"0.0": [0.6, 0.5, 0.4]}}))
-    lines = [{"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
-             {"prompt": "Once upon a time", "id": "story"},
-             {"question_id": 7, "category": "qa", "turns": ["Why is the sky blue?", "And the sea?"]}]
-    (d / "prompts.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    return d
+    return write_heads_and_prompts(tmp_path_factory.mktemp("serve"), tiny_target, ("eagle", "medusa"))
 
 
 def cfg(*overrides):
