@@ -127,7 +127,7 @@ def markdown(table: dict) -> str:
              f"Base: `python train/main.py {' '.join(table['base'])}`; held-out set {table.get('heldout')} "
              f"(Spec-Bench test split, T = 0). CPU-minutes = the run's user + system time + its training text's "
              f"answering (the held-out answers are charged to no arm).", "",
-             "| arm | lever | α₁ / α₂ / α₃ (test) | Δα₁ | τ(γ=3) | CPU-min (run + text; Δ) | trained tokens | "
+             "| arm | lever | α per position (test) | Δα₁ | τ(γ=K) | CPU-min (run + text; Δ) | trained tokens | "
              "overrides |", "|---|---|---|---:|---:|---:|---:|---|"]
     for e in table["arms"].values():
         d = e["alpha_test"][0] - base["alpha_test"][0] if base else float("nan")
