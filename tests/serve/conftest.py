@@ -44,7 +44,6 @@ def perturbed_head(family, target, model, num_steps=3, std=0.02, seed=1):
     return head.eval()
 
 
-
 def write_heads_and_prompts(d: Path, target, families) -> Path:
     """What serve/ and bench read from disk: DIR/FAMILY/head with an acceptance.json beside it (α 0.6/0.5/0.4 at
     T = 0), and DIR/prompts.jsonl with one record in each prompt layout (chat, plain prompt, Spec-Bench)."""
@@ -58,6 +57,7 @@ def write_heads_and_prompts(d: Path, target, families) -> Path:
              {"question_id": 7, "category": "qa", "turns": ["Why is the sky blue?", "And the sea?"]}]
     (d / "prompts.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     return d
+
 
 class OracleHead:
     """Wraps a real head (its caches, commits and steps all run) and, with probability ``hit``, boosts the token
