@@ -157,8 +157,10 @@ def prompt_ids(r: Record, tok) -> list[int]:
     return tok(r.prompt).input_ids  # plain text: with the tokenizer's BOS, as the target was trained
 
 
-def _answer_all(target: Target, pending: list[Record], cfg: DistillConfig, layers, split: str) -> list[Record]:
-    """Generated answers, turn by turn; single-turn records come back exact (prompt_ids + token_ids)."""
+def _answer_all(target: Target, pending: list[Record], cfg: DistillConfig, layers, split: str,
+                engine=None) -> list[Record]:
+    """Generated answers, turn by turn; single-turn records come back exact (prompt_ids + token_ids). ``engine``:
+    another answerer with ``sample(prompts, cfg, stop, desc)`` (train/vllm_answers.py), in place of sample()."""
     tok, stop = target.tokenizer, stop_ids(target)
     turn = 0
     while True:
@@ -168,8 +170,11 @@ def _answer_all(target: Target, pending: list[Record], cfg: DistillConfig, layer
         turn += 1
         prompts = [prompt_ids(r, tok) for r in todo]
         last = [not r.followups for r in todo]
-        outputs, feats = sample(target.model, prompts, cfg, stop, tok.pad_token_id, layers,
-                                desc=f"{split} answers (turn {turn})")
+        desc = f"{split} answers (turn {turn})"
+        if engine is not None:
+            outputs, feats = engine.sample(prompts, cfg, stop, desc), None
+        else:
+            outputs, feats = sample(target.model, prompts, cfg, stop, tok.pad_token_id, layers, desc=desc)
         for j, (r, p, new) in enumerate(zip(todo, prompts, outputs)):
             if last[j] and turn == 1:  # the exact tokens the target produced, and their features
                 r.prompt_ids, r.token_ids, r.messages, r.prompt = p, new, None, None

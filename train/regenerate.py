@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from heads.target import Target, cache_dir
 from train import UserError
 from train.distill import DistillConfig, _answer_all, prompt_ids, as_question
+from train.vllm_answers import ENGINES
 from heads.records import Record, read_sources
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,11 @@ class RegenConfig:
     out_dir: str | None = None  # null: ~/.cache/draftheads/distill/<target>-<key hash>
     rank: int | None = None  # null: from the RANK / WORLD_SIZE environment (torchrun), else 0 of 1
     world_size: int | None = None
+    engine: str = "builtin"  # builtin: train/distill.py's decode loop; vllm: the engine venv's vLLM (vllm_answers.py)
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise UserError(f"distill.engine={self.engine!r}; choose one of {', '.join(ENGINES)}")
 
 
 def rank_world(cfg: RegenConfig) -> tuple[int, int]:
@@ -78,7 +85,9 @@ def dataset_key(cfg: RegenConfig, target: Target, records: list[Record]) -> dict
     prompts = hashlib.sha256(json.dumps([[r.messages, r.followups, r.prompt] for r in records]).encode()).hexdigest()
     return {"version": 1, "target": target.identity(), "prompts_sha256": prompts, "records": len(records),
             "temperatures": [float(t) for t in cfg.temperatures], "top_p": cfg.top_p, "seed": cfg.seed,
-            "max_new_tokens": cfg.max_new_tokens, "max_prompt_len": cfg.max_prompt_len, "shard_size": cfg.shard_size}
+            "max_new_tokens": cfg.max_new_tokens, "max_prompt_len": cfg.max_prompt_len, "shard_size": cfg.shard_size,
+            # another engine writes other answers (sampled: another stream); builtin keeps the keys made before it
+            **({"engine": cfg.engine} if cfg.engine != "builtin" else {})}
 
 
 def write_atomic(path: Path, write, option: str = "distill.out_dir") -> None:
@@ -141,13 +150,13 @@ def row_of(r: Record, record_id: str) -> dict:
 
 
 def answer_shard(target: Target, records: list[Record], ids: list[str], dcfg: DistillConfig,
-                 max_prompt_len: int) -> tuple[list[dict], int]:
+                 max_prompt_len: int, engine=None) -> tuple[list[dict], int]:
     """Rows for one shard (skipped prompts as {"id", "skipped"}) and the number of tokens the target generated."""
     tok = target.tokenizer
     fits = [len(prompt_ids(r, tok)) <= max_prompt_len for r in records]
     todo = [Record(messages=r.messages and list(r.messages), followups=list(r.followups), prompt=r.prompt,
                    where=r.where) for r, ok in zip(records, fits) if ok]
-    answered = iter(_answer_all(target, todo, dcfg, (), "distill") if todo else [])
+    answered = iter(_answer_all(target, todo, dcfg, (), "distill", engine) if todo else [])
     rows, new_tokens = [], 0
     for r, rid, ok in zip(records, ids, fits):
         if not ok:
@@ -166,6 +175,11 @@ def count_assistant_tokens(r: Record, tok) -> int:
 
 def regenerate(cfg: RegenConfig, target: Target) -> dict:
     """Answer every selected prompt at every configured temperature; returns a summary (also in manifest.json)."""
+    with ExitStack() as stack:  # closes the vLLM worker, when one was started, however the run ends
+        return answer_all_datasets(cfg, target, stack)
+
+
+def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> dict:
     records = select(cfg)
     key = dataset_key(cfg, target, records)
     out = open_keyed_dir(cfg.out_dir, "distill", target, key, "distill.out_dir")
@@ -173,7 +187,8 @@ def regenerate(cfg: RegenConfig, target: Target) -> dict:
     S = cfg.shard_size
     shards = [list(range(s, min(s + S, len(records)))) for s in range(0, len(records), S)]
     mine = [s for s in range(len(shards)) if s % world == rank]
-    summary = {"out_dir": str(out), "records": len(records), "datasets": {}}
+    summary = {"out_dir": str(out), "records": len(records), "engine": cfg.engine, "datasets": {}}
+    engine = None  # started at the first shard that needs answering: finished datasets load no vLLM
     for t in cfg.temperatures:
         name = f"t{float(t):g}"
         folder = out / name
@@ -181,13 +196,17 @@ def regenerate(cfg: RegenConfig, target: Target) -> dict:
         todo = [s for s in mine if shard_rows(folder / f"shard-{s:05d}.jsonl", len(shards[s])) is None]
         log.info("distill %s: %d prompts in %d shards, rank %d of %d answers %d (%d already done) into %s",
                  name, len(records), len(shards), rank, world, len(mine), len(mine) - len(todo), folder)
+        if todo and engine is None and cfg.engine == "vllm":
+            from train.vllm_answers import VllmAnswers
+
+            engine = stack.enter_context(VllmAnswers(target, cfg.batch_size, target.dims.max_position_embeddings))
         bar = tqdm(total=sum(len(shards[s]) for s in todo), desc=f"distill {name}", unit="prompt", dynamic_ncols=True)
         t0, generated = time.perf_counter(), 0
         for s in todo:
             dcfg = DistillConfig(max_new_tokens=cfg.max_new_tokens, temperature=float(t), top_p=cfg.top_p,
                                  batch_size=cfg.batch_size, seed=cfg.seed * 1_000_003 + s)
             rows, n = answer_shard(target, [records[i] for i in shards[s]], [records[i].where for i in shards[s]], dcfg,
-                                   cfg.max_prompt_len)
+                                   cfg.max_prompt_len, engine)
             write_text(folder / f"shard-{s:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
             generated += n
             bar.update(len(shards[s]))

@@ -130,3 +130,8 @@ def test_recipe_distils_caches_trains_and_reuses_both(compose, write_chat, tmp_p
     second = run(compose(tmp_path / "run2", *overrides))  # answers and features come from disk
     assert second["feature_cache"]["shards_built"] == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "answers").rglob("*.jsonl")}
+
+
+def test_an_unknown_engine_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^distill.engine='sglang'; choose one of builtin, vllm$"):
+        RegenConfig(files=["x"], engine="sglang")
