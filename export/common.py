@@ -122,12 +122,18 @@ def engine_aux(head, avoid: tuple[int, ...] = (0,)) -> tuple[list[int], torch.Te
     whose aux_layers are unsorted or repeat a layer (heads.eagle3's default for a 5-layer target is (2, 2, 2))
     is rewritten exactly: fc's column blocks are permuted, blocks of a repeated layer are summed
     (fc is linear), and missing ids are filled with unused layers whose fc block is zero.
+
+    EAGLE 3.1's per-block fc_norm (RMSNorm(x) = x / rms(x) * g) is folded into fc: block j becomes W_j diag(g_j),
+    and the written fc_norm weights are ones (``fc_norm_weights``). rms(x) does not depend on g, so this is exact,
+    and it keeps the permuting and summing above exact too.
     """
     H, L = head.dims.hidden_size, head.dims.num_layers
     W = head.fc.weight.detach()  # [H, 3H] column block j reads aux_layers[j]
+    gains = [n.weight.detach() for n in head.fc_norm] if getattr(head, "fc_norm", None) is not None else None
     blocks: dict[int, torch.Tensor] = {}
     for j, k in enumerate(head.aux_layers):
-        blocks[k] = blocks.get(k, 0) + W[:, j * H : (j + 1) * H]
+        block = W[:, j * H : (j + 1) * H]
+        blocks[k] = blocks.get(k, 0) + (block * gains[j][None, :] if gains else block)
     spare = [k for k in range(L - 1, -1, -1) if k not in blocks and k not in avoid] + [k for k in avoid if k < L]
     for k in spare:
         if len(blocks) == 3:
@@ -136,6 +142,20 @@ def engine_aux(head, avoid: tuple[int, ...] = (0,)) -> tuple[list[int], torch.Te
             blocks[k] = torch.zeros_like(W[:, :H])  # a captured layer the draft ignores
     ids = sorted(blocks)
     return ids, torch.cat([blocks[k] for k in ids], dim=1)  # [H, 3H]
+
+
+def fc_norm_weights(head) -> dict[str, torch.Tensor]:
+    """EAGLE 3.1's fc_norm tensors as engines name them (``fc_norm.{i}.weight``), ones: engine_aux folded the gains
+    into fc. Empty for a head without fc_norm."""
+    if getattr(head, "fc_norm", None) is None:
+        return {}
+    return {f"fc_norm.{i}.weight": torch.ones(head.dims.hidden_size) for i in range(len(head.fc_norm))}
+
+
+def eagle31_flags(head) -> dict:
+    """The config fields vLLM 0.32 and speculators 0.9 read for EAGLE 3.1 (llama_eagle3.py ``getattr(config, ...)``)."""
+    fc_norm = getattr(head, "fc_norm", None) is not None
+    return {"fc_norm": fc_norm, "norm_output": bool(getattr(head, "norm_output", False))}
 
 
 def vocab_maps(head) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,9 +146,9 @@ def prepare(head_path, fmt: str, target_path: str | None = None, target_dtype: s
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"head_path={head_path}: {e}") from e
     module = format_module(fmt, head.family)
-    if getattr(head, "eagle31", False):  # every engine would read the weights and skip the norms: a different head
-        raise ExportRefused(f"{head_path} uses EAGLE 3.1 normalisation (head.hparams fc_norm/norm_output), which no "
-                            f"export format writes yet; export a head trained with both false")
+    if getattr(head, "eagle31", False) and not getattr(module, "EAGLE31", False):  # it would skip the norms
+        raise ExportRefused(f"{head_path} uses EAGLE 3.1 normalisation (head.hparams fc_norm/norm_output), which "
+                            f"format={fmt} cannot carry; export it with format=vllm or format=speculators")
     target_name = head_config.get("target", {}).get("name", "tiny-random")
     try:
         target = load_target(target_name, path=target_path, dtype=target_dtype)

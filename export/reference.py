@@ -137,27 +137,36 @@ def eagle3(tensors: dict, cfg: dict, embed: torch.Tensor, aux_order: list[int], 
     """EAGLE-3 as vLLM's llama_eagle3.py (and SGLang's, llama.cpp's eagle3.cpp) computes it: fc over the aux hidden
     states concatenated in ``aux_order`` (the engine's capture order), one layer reading cat(input_layernorm(embed),
     hidden_norm(h)) with residual h (or hidden_norm(h) when norm_before_residual), final norm, the draft lm_head,
-    then draft id i -> target id i + d2t[i] with -inf elsewhere. The pre-norm output is fed back."""
+    then draft id i -> target id i + d2t[i] with -inf elsewhere. The pre-norm output is fed back; EAGLE 3.1
+    (``cfg["norm_output"]``) feeds the post-norm one back and reads logits from it, and ``fc_norm.{i}.weight``
+    RMS-normalise each aux block before fc."""
     layer = Layer.read(tensors, layer_prefix, cfg)
     H, V, eps = cfg["hidden_size"], cfg["vocab_size"], cfg["rms_norm_eps"]
     fc_w, norm_w = tensors["fc.weight"].float(), tensors["norm.weight"].float()
     head_w = tensors["lm_head.weight"].float()
     Vd = head_w.shape[0]
     targets = torch.arange(Vd) + (tensors[d2t_key].long() if d2t_key and d2t_key in tensors else 0)
+    fc_norms = [tensors[f"fc_norm.{i}.weight"].float() for i in range(len(aux_order))] if "fc_norm.0.weight" in \
+        tensors else None
+    norm_output = bool(cfg.get("norm_output", False))
 
     def step(h, tokens, positions, past):
         hn = rms(h, layer.w["hidden_norm.weight"], eps)
         x = torch.cat([rms(embed[tokens], layer.w["input_layernorm.weight"], eps), hn], dim=-1)  # [n, 2H]
         a, kv = layer.attend(x, positions, past)
-        return layer.mlp_residual((hn if norm_before_residual else h) + a), kv
+        out = layer.mlp_residual((hn if norm_before_residual else h) + a)
+        return (rms(out, norm_w, eps) if norm_output else out), kv
 
     def logits(h):
         out = torch.full((h.shape[0], V), float("-inf"))
-        out[:, targets] = rms(h, norm_w, eps) @ head_w.T
+        out[:, targets] = (h if norm_output else rms(h, norm_w, eps)) @ head_w.T
         return out
 
     def run(b):
-        aux = torch.cat([feats.hidden[k][b].float() for k in aux_order], dim=-1)  # [T, 3H]
+        blocks = [feats.hidden[k][b].float() for k in aux_order]
+        if fc_norms is not None:
+            blocks = [rms(x, g, eps) for x, g in zip(blocks, fc_norms)]
+        aux = torch.cat(blocks, dim=-1)  # [T, 3H]
         return chain(step, logits, aux @ fc_w.T, feats.input_ids[b], K)
 
     assert fc_w.shape[1] == len(aux_order) * H, "fc width does not match the captured layers"

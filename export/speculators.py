@@ -24,19 +24,21 @@ from __future__ import annotations
 import torch
 
 from export import reference
-from export.common import (ExportContext, Written, engine_aux, layer_spec, llama_config, reduced_vocab, rename,
-                           target_path_or_placeholder, vocab_maps)
+from export.common import (ExportContext, Written, eagle31_flags, engine_aux, fc_norm_weights, layer_spec, llama_config,
+                           reduced_vocab, rename, target_path_or_placeholder, vocab_maps)
 from export.vllm import spec
 
 FAMILIES = ("eagle3",)
 SPECULATORS_VERSION = "0.9.0"
+EAGLE31 = True  # Eagle3SpeculatorConfig's fc_norm / norm_output, read by vLLM's update_eagle3 as well
 
 
 def write(ctx: ExportContext) -> Written:
     state, d, head = ctx.state(), ctx.dims, ctx.head
     ids, fc = engine_aux(head)
     tensors = {"fc.weight": fc.to(ctx.dtype), **rename(state, "midlayer.", "layers.0."),
-               "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"]}
+               "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"],
+               **{k: v.to(ctx.dtype) for k, v in fc_norm_weights(head).items()}}
     if reduced_vocab(head):
         tensors["d2t"], tensors["t2d"] = vocab_maps(head)
     layer = llama_config(d, ctx.dtype)
@@ -54,7 +56,7 @@ def write(ctx: ExportContext) -> Written:
         },
         "transformer_layer_config": layer, "draft_vocab_size": head.draft_vocab_size,
         "norm_before_residual": False, "target_hidden_size": d.hidden_size, "eagle_aux_hidden_state_layer_ids": ids,
-        "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+        "norm_before_fc": False, **eagle31_flags(head), "embed_requires_grad": False,
         "torch_dtype": str(ctx.dtype).removeprefix("torch."),
     }
     return Written(config, tensors)
@@ -72,8 +74,8 @@ def required(ctx: ExportContext) -> dict:
         f"{tl}intermediate_size": d.intermediate_size, f"{tl}rms_norm_eps": d.rms_norm_eps,
         f"{tl}tie_word_embeddings": False,
         "draft_vocab_size": ctx.head.draft_vocab_size, "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": engine_aux(ctx.head)[0], "norm_before_fc": False, "fc_norm": False,
-        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": engine_aux(ctx.head)[0], "norm_before_fc": False,
+        **eagle31_flags(ctx.head),
     }
 
 
@@ -88,6 +90,8 @@ def expected(cfg: dict, family: str) -> dict:
         out.update(spec(layer_spec(f"layers.{i}", tl, H, input_norm=True)))
     if Vd != V:
         out["d2t"], out["t2d"] = ((Vd,), torch.int64), ((V,), torch.bool)
+    if cfg.get("fc_norm"):
+        out.update({f"fc_norm.{i}.weight": ((cfg.get("target_hidden_size", H),), None) for i in range(n_aux)})
     return out
 
 
@@ -96,7 +100,8 @@ def reference_logits(cfg: dict, tensors: dict, family: str, target, feats, K: in
     tl = cfg["transformer_layer_config"]
     L = target.dims.num_layers
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]
-    return reference.eagle3(tensors, tl, target.embed_tokens.weight.float(), sorted(set(ids)),
+    return reference.eagle3(tensors, {**tl, "norm_output": cfg.get("norm_output", False)},
+                            target.embed_tokens.weight.float(), sorted(set(ids)),
                             cfg.get("norm_before_residual", True), feats, K, "layers.0")
 
 

@@ -25,10 +25,11 @@ import json
 import torch
 
 from export import reference
-from export.common import (ExportContext, Written, dtype_name, engine_aux, layer_spec, llama_config, reduced_vocab,
-                           rename, vocab_maps)
+from export.common import (ExportContext, Written, dtype_name, eagle31_flags, engine_aux, fc_norm_weights, layer_spec,
+                           llama_config, reduced_vocab, rename, vocab_maps)
 
 FAMILIES = ("eagle", "eagle3", "medusa")
+EAGLE31 = True  # llama_eagle3.py reads fc_norm (fc_norm.{i}.weight) and norm_output (the post-norm fed back)
 
 
 def llama_required(ctx: ExportContext) -> dict:
@@ -56,12 +57,14 @@ def write(ctx: ExportContext) -> Written:
     if ctx.family == "eagle3":
         ids, fc = engine_aux(ctx.head)
         tensors = {"fc.weight": fc.to(ctx.dtype), **rename(state, "midlayer.", "midlayer."),
-                   "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"]}
+                   "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"],
+                   **{k: v.to(ctx.dtype) for k, v in fc_norm_weights(ctx.head).items()}}
         if reduced_vocab(ctx.head):
             tensors["d2t"] = vocab_maps(ctx.head)[0]
         config = llama_config(d, ctx.dtype, architectures=["LlamaForCausalLMEagle3"],
                               draft_vocab_size=ctx.head.draft_vocab_size, target_hidden_size=d.hidden_size,
-                              eagle_aux_hidden_state_layer_ids=ids, norm_before_residual=False)
+                              eagle_aux_hidden_state_layer_ids=ids, norm_before_residual=False,
+                              **eagle31_flags(ctx.head))
         return Written(config, tensors)
     K, head = medusa_heads(ctx), ctx.head
     tensors = {}
@@ -80,7 +83,8 @@ def required(ctx: ExportContext) -> dict:
     if ctx.family == "eagle3":
         return {"architectures": ["LlamaForCausalLMEagle3"], **llama_required(ctx),
                 "draft_vocab_size": ctx.head.draft_vocab_size, "target_hidden_size": ctx.dims.hidden_size,
-                "eagle_aux_hidden_state_layer_ids": engine_aux(ctx.head)[0], "norm_before_residual": False}
+                "eagle_aux_hidden_state_layer_ids": engine_aux(ctx.head)[0], "norm_before_residual": False,
+                **eagle31_flags(ctx.head)}
     return {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": medusa_heads(ctx),
             "num_hidden_layers": ctx.head.num_layers, "medusa_fc_bias": ctx.head.bias,
             "hidden_size": ctx.dims.hidden_size, "vocab_size": ctx.dims.vocab_size}
@@ -105,6 +109,8 @@ def expected(cfg: dict, family: str) -> dict:
                "norm.weight": ((H,), None), "lm_head.weight": ((Vd, H), None)}
         if Vd != V:
             out["d2t"] = ((Vd,), torch.int64)
+        if cfg.get("fc_norm"):
+            out.update({f"fc_norm.{i}.weight": ((cfg.get("target_hidden_size", H),), None) for i in range(n_aux)})
         return out
     out = {}
     for h in range(cfg["num_heads"]):

@@ -45,6 +45,8 @@ PROMPTS = [
 ]
 MAX_NEW_TOKENS = 48
 GAMMA = 3  # draft tokens per round in every engine test; heads are trained for this many steps
+# Fixture heads beyond one per family: name -> (family, head hparams). EAGLE 3.1's norms, which vLLM reads.
+VARIANTS = {"eagle3_31": ("eagle3", {"fc_norm": True, "norm_output": True})}
 
 
 def skip_or_fail(reason: str):
@@ -124,10 +126,10 @@ def _sliced(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
 
 
 def new_head(family: str, target, token_counts: torch.Tensor | None = None, seed: int = 0,
-             randomize: bool = False, num_steps: int = GAMMA):
+             randomize: bool = False, num_steps: int = GAMMA, **extra_hp):
     """A fresh head as train/ would start it; ``randomize`` also scrambles Medusa's identity blocks."""
     torch.manual_seed(seed)
-    hp = {"num_steps": num_steps}
+    hp = {"num_steps": num_steps, **extra_hp}
     if family == "eagle3":
         hp["draft_vocab_size"] = 4096
     head = build_head(family, target.dims, **hp)
@@ -144,16 +146,16 @@ def new_head(family: str, target, token_counts: torch.Tensor | None = None, seed
 
 
 def train_fixture_head(family: str, target, prompts, answers, steps: int = 150, lr: float = 2e-3, seed: int = 0,
-                       num_steps: int = GAMMA):
+                       num_steps: int = GAMMA, **hp):
     """Distil a head on the target's greedy answers (hard labels: the target's argmax), loss over a token subset."""
     ids, attn, mask = _batch(prompts, answers, target.tokenizer.pad_token_id)
-    probe = new_head(family, target, torch.ones(target.dims.vocab_size), seed, num_steps=num_steps)
+    probe = new_head(family, target, torch.ones(target.dims.vocab_size), seed, num_steps=num_steps, **hp)
     feats = target.features(ids, mask, attn, layers=probe.feature_layers)
     labels = feats.target_logits.argmax(-1)  # [B, T]: the target's greedy next token at each position
     counts = torch.zeros(target.dims.vocab_size)
     counts.index_add_(0, feats.target_logits[mask].topk(16, -1).indices.flatten(), torch.ones(mask.sum() * 16))
     head = new_head(family, target, counts + torch.bincount(labels[mask], minlength=counts.numel()) * 100, seed,
-                    num_steps=num_steps)
+                    num_steps=num_steps, **hp)
     # The vocabulary the loss runs over: the draft vocab for EAGLE-3, the top-16 tokens elsewhere.
     vocab = head.draft_to_target if family == "eagle3" else counts.nonzero().squeeze(1)
     index = torch.full((target.dims.vocab_size,), -1, dtype=torch.long)
@@ -193,9 +195,10 @@ def save(head, target, path: Path) -> Path:
     return save_head(head, path, target.identity())
 
 
-def fixture_heads(target, prompts, answers, families=("eagle", "eagle3", "medusa"),
+def fixture_heads(target, prompts, answers, families=("eagle", "eagle3", "medusa", "eagle3_31"),
                   steps: int = int(os.environ.get("FIXTURE_STEPS", 40))) -> dict:
-    """{family: head dir} of trained fixture heads plus "eagle_random"/"eagle3_random" (fresh, untrained).
+    """{name: head dir} of trained fixture heads (a family, or a VARIANTS name) plus "eagle_random"/"eagle3_random"
+    (fresh, untrained).
 
     40 steps: the EAGLE-1 loss is flat from ~step 35 (0.229 at 40, 0.214 at 80); α@1..3 on the answers ~0.97.
 
@@ -208,13 +211,14 @@ def fixture_heads(target, prompts, answers, families=("eagle", "eagle3", "medusa
     h.update(json.dumps([target.identity(), prompts, answers, list(families), steps]).encode())
     root = VENVS / "fixture-heads" / h.hexdigest()[:16]
     out = {}
-    for family in families:
-        path = root / family
+    for name in families:
+        path = root / name
         if not (path / "config.json").exists():
             t0 = time.time()
-            save(train_fixture_head(family, target, prompts, answers, steps=steps), target, path)
-            (root / f"{family}.train_s").write_text(f"{time.time() - t0:.0f}")
-        out[family] = path
+            family, hp = VARIANTS.get(name, (name, {}))
+            save(train_fixture_head(family, target, prompts, answers, steps=steps, **hp), target, path)
+            (root / f"{name}.train_s").write_text(f"{time.time() - t0:.0f}")
+        out[name] = path
     for family in ("eagle", "eagle3"):
         path = root / f"{family}_random"
         if not (path / "config.json").exists():

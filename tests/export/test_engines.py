@@ -31,6 +31,7 @@ from engine_helpers import (GAMMA, MAX_NEW_TOKENS, PROMPTS, ROOT, engine_env, fi
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 FAMILIES = ("eagle", "eagle3", "medusa")
+SERVED = (*FAMILIES, "eagle3_31")  # the trained heads vLLM and serve/ both run (eagle3_31: EAGLE 3.1's norms)
 TOLERANCE = 0.05  # |engine - serve/| per-position acceptance (absolute): near-tie argmax flips between kernels
 TIMINGS: dict[str, float] = {}
 
@@ -90,7 +91,7 @@ def serve_bench(case):
     prompts_file.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n"
                                     for p in PROMPTS))
     out = {}
-    for family in FAMILIES:
+    for family in SERVED:
         run_dir = case["tmp"] / f"serve-{family}"
         with timed(f"serve {family}"):
             proc = subprocess.run(
@@ -117,7 +118,7 @@ def vllm(case, vllm_venv):
     venv = vllm_venv
     target = str(case["target_dir"])
     plan = [{"name": "base", "model": target}]
-    for name in (*FAMILIES, "eagle_random"):
+    for name in (*SERVED, "eagle_random"):
         family = name.split("_")[0]
         plan.append({"name": name, "model": target, "method": family, "draft": str(export(case, name, "vllm")),
                      "k": GAMMA})
@@ -143,14 +144,14 @@ def test_vllm_greedy_is_the_targets_greedy(vllm, case):
     assert vllm_run(vllm, "base")["tokens"] == case["answers"], "vLLM's plain greedy differs from HF's"
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "eagle_random", "speculators"])
+@pytest.mark.parametrize("name", [*SERVED, "eagle_random", "speculators"])
 def test_vllm_speculative_greedy_equals_plain_greedy(vllm, name):
     run = vllm_run(vllm, name)
     assert run["num_speculative_tokens"] == GAMMA and run["num_drafts"] > 0, run
     assert run["tokens"] == vllm_run(vllm, "base")["tokens"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SERVED)
 def test_vllm_acceptance_matches_serve(vllm, serve_bench, family):
     """vLLM's per-position counts (accepted at i / rounds) against serve/'s (accepted at i / target passes)."""
     run, bench = vllm_run(vllm, family), serve_bench[family]

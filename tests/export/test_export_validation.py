@@ -192,12 +192,45 @@ def test_safeailab_eagle3_refuses_other_aux_layers(tiny_target, head_dir, run_ex
         run_export(head_path, "eagle", tmp_path / "out")
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "eagle", "llamacpp"])
-def test_eagle31_heads_are_refused_until_a_format_writes_their_norms(tiny_target, head_dir, run_export, tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["eagle", "llamacpp", "sglang"])
+def test_eagle31_heads_are_refused_by_formats_without_their_norms(tiny_target, head_dir, run_export, tmp_path, fmt):
     head_path, _ = head_dir(tiny_target, "eagle3", fc_norm=True)
-    with pytest.raises(ExportRefused, match="EAGLE 3.1 normalisation .* export a head trained with both false"):
+    with pytest.raises(ExportRefused, match=f"EAGLE 3.1 normalisation .* format={fmt} cannot carry; export it with "
+                                            "format=vllm or format=speculators"):
         run_export(head_path, fmt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+@pytest.mark.parametrize("hp", [{"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}],
+                         ids=["fc_norm", "norm_output", "both"])
+def test_eagle31_exports_compute_the_heads_logits(exported, fmt, hp):
+    """vLLM 0.32 and speculators 0.9 read fc_norm / norm_output. The fc_norm gains are folded into fc (written norms
+    are ones) and repeated aux layers summed; the engine-style forward must still give the head's logits, and the
+    same files read as plain EAGLE-3 (the flags dropped) must not."""
+    out, ctx, feats = exported("eagle3", fmt, draft_vocab_size=64, aux_layers=[2, 2, 5], **hp)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["fc_norm"], cfg["norm_output"]) == (hp.get("fc_norm", False), hp.get("norm_output", False))
+    tensors = load_file(str(out / "model.safetensors"))
+    norms = sorted(k for k in tensors if k.startswith("fc_norm."))
+    assert norms == ([f"fc_norm.{i}.weight" for i in range(3)] if hp.get("fc_norm") else [])
+    assert all(torch.equal(tensors[k], torch.ones(64)) for k in norms)
+    report = validate_export(out, fmt, ctx, feats)
+    assert report["steps_checked"] == 3 and max(report["max_abs_logit_diff"]) < 1e-4
+
+    from export import format_module
+    from export.common import read_dir
+    from export.validate import check_forward, head_logits
+
+    cfg, tensors = read_dir(out)
+    for flag in hp:  # read as plain EAGLE-3: each dropped norm changes the forward
+        plain = {**cfg, flag: False}
+        if flag == "fc_norm":
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("fc_norm.")}
+        ref = format_module(fmt, "eagle3").reference_logits(plain, tensors, "eagle3", ctx.target, feats, 3)
+        trained = head_logits(ctx.head_config, ctx.head.state_dict(), ctx.target, feats, 3, ctx.dtype)
+        with pytest.raises(ValueError, match="reference forward differs"):
+            check_forward(ref, trained, atol=1e-4)
 
 
 def test_failed_validation_leaves_nothing(tiny_target, head_dir, run_export, tmp_path, monkeypatch):
