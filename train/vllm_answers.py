@@ -50,7 +50,8 @@ class VllmAnswers:
             raise UserError(f"distill.engine=vllm needs a target with a model directory on disk (target "
                             f"{target.name} has none); use distill.engine=builtin")
         cmd = [str(vllm_python()), str(WORKER), "--model", model_dir, "--max-num-seqs", str(batch_size),
-               "--max-model-len", str(max_model_len)]
+               "--max-model-len", str(max_model_len),
+               "--dtype", str(next(target.model.parameters()).dtype).removeprefix("torch.")]  # the loop's dtype
         # The engine venv's own packages only (PYTHONPATH would put ours first), offline like every engine here.
         env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}

@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--dtype", default="float32")  # the dtype the built-in loop answers in
+    p.add_argument("--dtype", default="float32")  # the target's dtype, as the built-in loop answers in it
     args = p.parse_args()
     # vLLM logs to stdout; the protocol owns it, so everything vLLM prints goes to stderr.
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
