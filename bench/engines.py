@@ -99,8 +99,12 @@ def run(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.Com
 
 
 def engine_venv(part: str) -> Path:
-    proc = run(["bash", str(ROOT / "scripts" / "engine_env.sh"), part], timeout=3600, env=os.environ.copy())
-    return Path([line.split()[2] for line in proc.stdout.splitlines() if line.startswith("READY ")][-1])
+    from heads.target import EngineEnvFailed, engine_venv as build
+
+    try:
+        return build(part)
+    except EngineEnvFailed as e:
+        raise EngineError(str(e)) from e
 
 
 def export_head(head: Path, fmt: str, k: int, out: Path) -> Path:

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,27 @@ def engine_venvs() -> Path:
     which is not under DRAFTHEADS_CACHE: one rule for the script, the benchmarks and the tests."""
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(os.environ.get("DRAFTHEADS_VENVS") or Path(xdg) / "draftheads" / "venvs")
+
+
+class EngineEnvFailed(RuntimeError):
+    """scripts/engine_env.sh could not build a venv; ``str()`` is one line, ``stderr`` the script's whole report."""
+
+    def __init__(self, message: str, stderr: str):
+        super().__init__(message)
+        self.stderr = stderr
+
+
+def engine_venv(part: str, timeout: int = 3600) -> Path:
+    """Build (or find cached) the venv for ``part`` (vllm, llamacpp, eagle_ref, medusa_ref) with
+    scripts/engine_env.sh, and return its directory: the script's last "READY <part> <dir>" line."""
+    proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "engine_env.sh"), part], capture_output=True,
+                          text=True, timeout=timeout)
+    ready = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith(f"READY {part} ")]
+    if proc.returncode != 0 or not ready:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineEnvFailed(f"scripts/engine_env.sh {part} failed (rc {proc.returncode}): {tail[:200]}",
+                              proc.stderr)
+    return Path(ready[-1])
 
 
 def shared_dir() -> Path:

@@ -20,7 +20,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from heads.target import REPO_ROOT, Target
+from heads.target import REPO_ROOT, EngineEnvFailed, Target, engine_venv
 from train import UserError
 from train.distill import DistillConfig, _seed
 
@@ -31,14 +31,10 @@ ENGINES = ("builtin", "vllm")
 
 def vllm_python() -> Path:
     """The vllm engine venv's interpreter, built (or found cached) by scripts/engine_env.sh."""
-    proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "engine_env.sh"), "vllm"], capture_output=True,
-                          text=True, timeout=3600)
-    ready = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("READY ")]
-    if proc.returncode != 0 or not ready:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"distill.engine=vllm: scripts/engine_env.sh vllm failed ({tail[:200]}); "
-                        "fix it or use distill.engine=builtin")
-    return Path(ready[-1]) / "bin" / "python"
+    try:
+        return engine_venv("vllm") / "bin" / "python"
+    except EngineEnvFailed as e:
+        raise UserError(f"distill.engine=vllm: {e}; fix it or use distill.engine=builtin") from e
 
 
 class VllmAnswers:

@@ -27,7 +27,7 @@ from torch import nn
 
 from heads import build_head
 from heads.checkpoint import save_head
-from heads.target import engine_venvs
+from heads.target import EngineEnvFailed, engine_venv, engine_venvs
 
 ROOT = Path(__file__).resolve().parents[2]
 # Outside the clone, so a fresh clone on the same machine (CI) reuses the engines; scripts/engine_env.sh agrees.
@@ -58,13 +58,12 @@ def skip_or_fail(reason: str):
 def engine_env(part: str) -> Path:
     """Create (or reuse) the venv for ``part`` (vllm, llamacpp, eagle_ref, medusa_ref) and return its directory."""
     t0 = time.time()
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "engine_env.sh"), part], capture_output=True, text=True,
-                          timeout=1800)
-    if proc.returncode != 0:
-        skip_or_fail(f"scripts/engine_env.sh {part} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    ready = [line.split() for line in proc.stdout.splitlines() if line.startswith("READY ")]
+    try:
+        venv = engine_venv(part, timeout=1800)
+    except EngineEnvFailed as e:
+        skip_or_fail(f"{e}:\n{e.stderr[-3000:]}")
     print(f"engine_env {part}: {time.time() - t0:.0f} s")
-    return Path(ready[-1][2])
+    return venv
 
 
 def run_in(venv: Path, script: str, *args: str, timeout: int = 900, env: dict | None = None) -> str:
