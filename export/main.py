@@ -148,7 +148,8 @@ def prepare(head_path, fmt: str, target_path: str | None = None, target_dtype: s
     module = format_module(fmt, head.family)
     if getattr(head, "eagle31", False) and not getattr(module, "EAGLE31", False):  # it would skip the norms
         raise ExportRefused(f"{head_path} uses EAGLE 3.1 normalisation (head.hparams fc_norm/norm_output), which "
-                            f"format={fmt} cannot carry; export it with format=vllm or format=speculators")
+                            f"format={fmt} cannot carry; export it with format=vllm or format=speculators, or "
+                            "retrain it with head.hparams.fc_norm=false head.hparams.norm_output=false")
     target_name = head_config.get("target", {}).get("name", "tiny-random")
     try:
         target = load_target(target_name, path=target_path, dtype=target_dtype)

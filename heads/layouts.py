@@ -147,7 +147,7 @@ def eagle_state(path: Path, config: dict, head: DraftHead):
         raise ValueError(f"{path} is read as SafeAILab's code reads it, tapping layers (2, L//2, L-3) = "
                          f"{[2, L // 2, L - 3]} of this {L}-layer target, which repeat: use the target it was "
                          "trained for")
-    return tensors, {"draft_vocab_size": Vd}, list(ids)
+    return tensors, {"draft_vocab_size": Vd, "fc_norm": False, "norm_output": False}, list(ids)  # EAGLE-3.0 only
 
 
 def medusa_state(path: Path, config: dict, head: DraftHead):

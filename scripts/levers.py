@@ -41,8 +41,10 @@ ARMS = {
     "base-seed1": ("the base with another seed: the noise floor", ["seed=1"]),
     "loss-tv": ("loss: TV (1 - α) in place of soft CE", ["head.loss.kind=tv"]),
     "loss-lk": ("loss: LK hybrid λ·KL + (1-λ)·TV, λ = exp(-3α)", ["head.loss.kind=lk"]),
-    "eagle3.1": ("EAGLE 3.1 normalisation (fc_norm, norm_output)",
+    "eagle3.1": ("EAGLE 3.1 normalisation (fc_norm, norm_output; a base from before SmolLM2 defaulted to it)",
                  ["head.hparams.fc_norm=true", "head.hparams.norm_output=true"]),
+    "eagle3.0": ("EAGLE-3 without 3.1's normalisation (SmolLM2's base has it since it won)",
+                 ["head.hparams.fc_norm=false", "head.hparams.norm_output=false"]),
     # optim.name=auto is Muon for EAGLE-3 and AdamW for the other heads: each arm is a lever for one kind of base
     "muon": ("Muon on the hidden matrices (a base of another head than EAGLE-3)", ["optim.name=muon"]),
     "adamw": ("AdamW in place of Muon (an EAGLE-3 base)", ["optim.name=adamw"]),

@@ -7,7 +7,7 @@
    in a multiple of 8 records (our recipe's batch; the reference's 2 micro-batches divide it): DIR/train.jsonl.
    Both trainers read that file and train one pass over it.
 2. Ours: the recipe (experiment=smollm2-eagle3: 3 steps, 8k draft vocabulary, lr 2e-3, batch 8, the disk feature
-   cache) on that file only (no distilled answers), one epoch, no mid-run held-out checks (the last head is kept,
+   cache; plain EAGLE-3, without the recipe's EAGLE 3.1 norms, which the eagle layout cannot carry) on that file only (no distilled answers), one epoch, no mid-run held-out checks (the last head is kept,
    as the reference's is), in DIR/ours-run; exported with format=eagle to DIR/ours. Its seconds are the feature
    pass (timed from its log) plus its training steps: the reference runs the target inside each step.
 3. The reference: scripts/engines/eagle3_ref_train.py in the eagle_ref venv (scripts/engine_env.sh eagle_ref) runs
@@ -152,6 +152,8 @@ def ours_command(args, text: dict, run: Path) -> list[str]:
             "distill_first=false", "data.train_files=[]", f"data.reference_files=[{text['file']}]",
             "data.max_reference_records=null", f"data.max_len={args.max_len}",
             f"head.hparams.draft_vocab_size={args.draft_vocab}", f"trainer.max_steps={text['records'] // BATCH}",
+            # EAGLE-3 as the reference trains it: SmolLM2's default EAGLE 3.1 norms have no place in the eagle layout
+            "head.hparams.fc_norm=false", "head.hparams.norm_output=false",
             "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "eval.extra_temperatures=[]",
             "data.max_eval_records=1",  # its own closing α is not the figure (measure() is): 2 prompts, not 104
             f"data.feature_dir={run / 'features'}", f"hydra.run.dir={run}", *args.eval_override,

@@ -196,7 +196,8 @@ def test_safeailab_eagle3_refuses_other_aux_layers(tiny_target, head_dir, run_ex
 def test_eagle31_heads_are_refused_by_formats_without_their_norms(tiny_target, head_dir, run_export, tmp_path, fmt):
     head_path, _ = head_dir(tiny_target, "eagle3", fc_norm=True)
     with pytest.raises(ExportRefused, match=f"EAGLE 3.1 normalisation .* format={fmt} cannot carry; export it with "
-                                            "format=vllm or format=speculators"):
+                                            "format=vllm or format=speculators, or retrain it with "
+                                            "head.hparams.fc_norm=false head.hparams.norm_output=false$"):
         run_export(head_path, fmt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -148,6 +148,9 @@ def test_a_checkpoint_that_does_not_fit_says_what_differs(tiny_target, tmp_path)
         (tiny_target, "eagle3", {"draft_vocab_size": 64},
          r"\{'draft_vocab_size': 100\}, this run's head has \{'draft_vocab_size': 64\}; pass "
          r"head.hparams.draft_vocab_size=100$"),
+        (tiny_target, "eagle3", {"draft_vocab_size": 100, "fc_norm": True, "norm_output": True},  # SmolLM2's default
+         r"\{'fc_norm': False, 'norm_output': False\}, this run's head has \{'fc_norm': True, 'norm_output': True\}; "
+         r"pass head.hparams.fc_norm=false head.hparams.norm_output=false$"),
         (tiny_target, "eagle3", {"draft_vocab_size": 100, "aux_layers": [1, 3, 5]},
          r"fc reads target layers \[2, 4, 5\], this head reads \[1, 3, 5\]; pass head.hparams.aux_layers=\[2, 4, 5\]"),
     ]
