@@ -87,7 +87,8 @@ def main(args):
         finally:
             if answerer is not None:
                 answerer.close()
-    differ = {e: sum(any(a[i] != got[0][i] for a in got[1:]) for i in range(len(prompts))) for e, got in answers.items()}
+    differ = {e: sum(any(a[i] != got[0][i] for a in got[1:]) for i in range(len(prompts)))
+              for e, got in answers.items()}
     first = answers[args.engines[0]][0]
     equal_to_first = {e: sum(got[0][i] == first[i] for i in range(len(prompts))) for e, got in answers.items()}
     report = common.record(target=args.target, prompts=len(prompts), prompt_tokens=sum(map(len, prompts)),

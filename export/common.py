@@ -154,8 +154,15 @@ def fc_norm_weights(head) -> dict[str, torch.Tensor]:
 
 def eagle31_flags(head) -> dict:
     """The config fields vLLM 0.32 and speculators 0.9 read for EAGLE 3.1 (llama_eagle3.py ``getattr(config, ...)``)."""
-    fc_norm = getattr(head, "fc_norm", None) is not None
-    return {"fc_norm": fc_norm, "norm_output": bool(getattr(head, "norm_output", False))}
+    hp = head.hparams()
+    return {"fc_norm": hp["fc_norm"], "norm_output": hp["norm_output"]}
+
+
+def fc_norm_spec(cfg: dict, hidden: int, n_aux: int) -> dict:
+    """The fc_norm tensors' expected shapes (``expected()``'s form) in an engine config that sets fc_norm."""
+    if not cfg.get("fc_norm"):
+        return {}
+    return {f"fc_norm.{i}.weight": ((cfg.get("target_hidden_size", hidden),), None) for i in range(n_aux)}
 
 
 def vocab_maps(head) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,8 +146,9 @@ def eagle3(tensors: dict, cfg: dict, embed: torch.Tensor, aux_order: list[int], 
     head_w = tensors["lm_head.weight"].float()
     Vd = head_w.shape[0]
     targets = torch.arange(Vd) + (tensors[d2t_key].long() if d2t_key and d2t_key in tensors else 0)
-    fc_norms = [tensors[f"fc_norm.{i}.weight"].float() for i in range(len(aux_order))] if "fc_norm.0.weight" in \
-        tensors else None
+    fc_norms = None
+    if "fc_norm.0.weight" in tensors:
+        fc_norms = [tensors[f"fc_norm.{i}.weight"].float() for i in range(len(aux_order))]
     norm_output = bool(cfg.get("norm_output", False))
 
     def step(h, tokens, positions, past):

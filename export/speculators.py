@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from export import reference
-from export.common import (ExportContext, Written, eagle31_flags, engine_aux, fc_norm_weights, layer_spec, llama_config,
-                           reduced_vocab, rename, target_path_or_placeholder, vocab_maps)
+from export.common import (ExportContext, Written, eagle31_flags, engine_aux, fc_norm_spec, fc_norm_weights,
+                           layer_spec, llama_config, reduced_vocab, rename, target_path_or_placeholder, vocab_maps)
 from export.vllm import spec
 
 FAMILIES = ("eagle3",)
@@ -90,8 +90,7 @@ def expected(cfg: dict, family: str) -> dict:
         out.update(spec(layer_spec(f"layers.{i}", tl, H, input_norm=True)))
     if Vd != V:
         out["d2t"], out["t2d"] = ((Vd,), torch.int64), ((V,), torch.bool)
-    if cfg.get("fc_norm"):
-        out.update({f"fc_norm.{i}.weight": ((cfg.get("target_hidden_size", H),), None) for i in range(n_aux)})
+    out.update(fc_norm_spec(cfg, H, n_aux))
     return out
 
 

@@ -25,8 +25,8 @@ import json
 import torch
 
 from export import reference
-from export.common import (ExportContext, Written, dtype_name, eagle31_flags, engine_aux, fc_norm_weights, layer_spec,
-                           llama_config, reduced_vocab, rename, vocab_maps)
+from export.common import (ExportContext, Written, dtype_name, eagle31_flags, engine_aux, fc_norm_spec,
+                           fc_norm_weights, layer_spec, llama_config, reduced_vocab, rename, vocab_maps)
 
 FAMILIES = ("eagle", "eagle3", "medusa")
 EAGLE31 = True  # llama_eagle3.py reads fc_norm (fc_norm.{i}.weight) and norm_output (the post-norm fed back)
@@ -109,8 +109,7 @@ def expected(cfg: dict, family: str) -> dict:
                "norm.weight": ((H,), None), "lm_head.weight": ((Vd, H), None)}
         if Vd != V:
             out["d2t"] = ((Vd,), torch.int64)
-        if cfg.get("fc_norm"):
-            out.update({f"fc_norm.{i}.weight": ((cfg.get("target_hidden_size", H),), None) for i in range(n_aux)})
+        out.update(fc_norm_spec(cfg, H, n_aux))
         return out
     out = {}
     for h in range(cfg["num_heads"]):

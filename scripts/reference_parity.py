@@ -7,9 +7,10 @@
    in a multiple of 8 records (our recipe's batch; the reference's 2 micro-batches divide it): DIR/train.jsonl.
    Both trainers read that file and train one pass over it.
 2. Ours: the recipe (experiment=smollm2-eagle3: 3 steps, 8k draft vocabulary, lr 2e-3, batch 8, the disk feature
-   cache; plain EAGLE-3, without the recipe's EAGLE 3.1 norms, which the eagle layout cannot carry) on that file only (no distilled answers), one epoch, no mid-run held-out checks (the last head is kept,
-   as the reference's is), in DIR/ours-run; exported with format=eagle to DIR/ours. Its seconds are the feature
-   pass (timed from its log) plus its training steps: the reference runs the target inside each step.
+   cache; plain EAGLE-3, without the recipe's EAGLE 3.1 norms, which the eagle layout cannot carry) on that file
+   only (no distilled answers), one epoch, no mid-run held-out checks (the last head is kept, as the reference's
+   is), in DIR/ours-run; exported with format=eagle to DIR/ours. Its seconds are the feature pass (timed from its
+   log) plus its training steps: the reference runs the target inside each step.
 3. The reference: scripts/engines/eagle3_ref_train.py in the eagle_ref venv (scripts/engine_env.sh eagle_ref) runs
    SafeAILab's traineagle3 (cnets.Model, 7-step training-time test, 0.8^k, scandata vocabulary, ds_config's AdamW,
    clipping, accumulation and schedule); that file's docstring lists what was replaced and why. Its lr schedule
