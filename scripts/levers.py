@@ -50,7 +50,7 @@ ARMS = {
     "adamw": ("AdamW in place of Muon (an EAGLE-3 base)", ["optim.name=adamw"]),
     "one-pass": ("one pass over 3x the answers (6 per prompt, 180 steps) in place of ~3 epochs over 2 per prompt",
                  ["data.distill.samples_per_prompt=6"]),
-    "steps-2x": ("twice the steps over the same answers (360 steps, ~7 epochs): the default job's spare minutes",
+    "steps-2x": ("360 steps over the same answers, ~7 epochs (EAGLE-3's default since it won; the others' is 180)",
                  ["trainer.max_steps=360"]),
     "reference-text": ("training text: the datasets' reference answers (no answering cost), ~equal trained tokens",
                        ["data.train_files=[]", "data.reference_files=[${shared:data/train/*.jsonl}]",
