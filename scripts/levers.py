@@ -48,11 +48,11 @@ ARMS = {
     # optim.name=auto is Muon for EAGLE-3 and AdamW for the other heads: each arm is a lever for one kind of base
     "muon": ("Muon on the hidden matrices (a base of another head than EAGLE-3)", ["optim.name=muon"]),
     "adamw": ("AdamW in place of Muon (an EAGLE-3 base)", ["optim.name=adamw"]),
-    "one-pass": ("one pass over 3x the answers (6 per prompt, 180 steps) in place of ~3 epochs over 2 per prompt",
+    "one-pass": ("3x the answers (6 per prompt) in the base's steps: one pass at 180 steps, in place of ~3 epochs",
                  ["data.distill.samples_per_prompt=6"]),
     "steps-2x": ("360 steps over the same answers, ~7 epochs (EAGLE-3's default since it won; the others' is 180)",
                  ["trainer.max_steps=360"]),
-    "reference-text": ("training text: the datasets' reference answers (no answering cost), ~equal trained tokens",
+    "reference-text": ("training text: the datasets' reference answers, no answering cost (270 steps: 180's tokens)",
                        ["data.train_files=[]", "data.reference_files=[${shared:data/train/*.jsonl}]",
                         "data.max_reference_records=2000", "trainer.max_steps=270"]),
     "greedy-text": ("training text: greedy answers (1 per prompt) in place of 2 sampled at T=0.7",
