@@ -95,3 +95,12 @@ def test_big_target_defaults_replace_the_cpu_toys(target, conf=CONF):
         cfg.head.hparams.num_steps, cfg.head.hparams.draft_vocab_size) and cfg.target.chat_format != "chatml"
     assert composed("head=eagle3", f"target={target}", "trainer.max_steps=5", conf=conf).trainer.max_steps == 5
     assert composed("head=eagle", f"target={target}", "trainer=ddp", conf=conf).trainer.max_steps == cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize("trainer", ["auto", "cpu"])
+def test_the_embedded_default_steps_are_the_heads(trainer):
+    # EAGLE-3 asks for 360 steps (head.default_job_steps, levers.md study 4); a head without the key keeps 180
+    steps = {h: composed(f"head={h}", f"trainer={trainer}").trainer.max_steps for h in ("eagle3", "medusa", "eagle")}
+    assert steps == {"eagle3": composed("head=eagle3").head.default_job_steps, "medusa": 180, "eagle": 180}
+    assert steps["eagle3"] > steps["medusa"]
+    assert composed("head=eagle3", f"trainer={trainer}", "trainer.max_steps=7").trainer.max_steps == 7
