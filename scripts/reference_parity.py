@@ -155,6 +155,7 @@ def ours_command(args, text: dict, run: Path) -> list[str]:
             f"head.hparams.draft_vocab_size={args.draft_vocab}", f"trainer.max_steps={text['records'] // BATCH}",
             # EAGLE-3 as the reference trains it: SmolLM2's default EAGLE 3.1 norms have no place in the eagle layout
             "head.hparams.fc_norm=false", "head.hparams.norm_output=false",
+            "trainer.precision=32-true",  # the recipe trains in bf16 where the CPU has it; the reference runs fp32
             "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "eval.extra_temperatures=[]",
             "data.max_eval_records=1",  # its own closing α is not the figure (measure() is): 2 prompts, not 104
             f"data.feature_dir={run / 'features'}", f"hydra.run.dir={run}", *args.eval_override,
