@@ -71,9 +71,10 @@ class Job:
         plain = lambda node: OmegaConf.to_container(node, resolve=True)
         deepspeed = "deepspeed" in str(cfg.trainer.get("strategy"))
         if cfg.optim.get("name") == "auto":  # Muon where it was measured to win: EAGLE-3, +0.027 α₁ at equal CPU
-            # (docs/results/levers.md); EAGLE-1's τ gain was inside the noise, Medusa and MTP are unmeasured, and
-            # DeepSpeed cannot run Muon
-            cfg.optim.name = "muon" if cfg.head.name == "eagle3" and not deepspeed else "adamw"
+            # (docs/results/levers.md); MTP, +0.115 validation α₁ at 941k trained tokens in its recipe
+            # (docs/results/training-and-scaling.md). EAGLE-1's τ gain was inside the noise, Medusa is unmeasured,
+            # and DeepSpeed cannot run Muon
+            cfg.optim.name = "muon" if cfg.head.name in ("eagle3", "mtp") and not deepspeed else "adamw"
         if cfg.optim.get("name") == "muon" and deepspeed:
             raise UserError("optim.name=muon does not run under DeepSpeed (ZeRO hands the optimizer flat shards, not "
                             "matrices); use trainer=ddp or optim.name=adamw")

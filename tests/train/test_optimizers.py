@@ -86,11 +86,12 @@ def test_muon_under_deepspeed_is_refused_in_one_line(compose, tmp_path):
         Job.from_cfg(cfg)
 
 
-def test_auto_is_muon_for_eagle3_except_under_deepspeed(compose, tmp_path):
+def test_auto_is_muon_for_eagle3_and_mtp_except_under_deepspeed(compose, tmp_path):
     from train.main import Job
 
-    assert Job.from_cfg(compose(tmp_path / "a", "head=eagle3")).optim.name == "muon"
-    assert Job.from_cfg(compose(tmp_path / "b", "head=eagle3", "trainer=deepspeed_zero2")).optim.name == "adamw"
+    for head in ("eagle3", "mtp"):
+        assert Job.from_cfg(compose(tmp_path / f"a-{head}", f"head={head}")).optim.name == "muon"
+    assert Job.from_cfg(compose(tmp_path / "b", "head=mtp", "trainer=deepspeed_zero2")).optim.name == "adamw"
     assert Job.from_cfg(compose(tmp_path / "c", "head=eagle3", "optim.name=adamw")).optim.name == "adamw"
-    for head in ("eagle", "medusa", "mtp"):  # no measured gain with Muon: they keep AdamW
+    for head in ("eagle", "medusa"):  # no measured gain with Muon: they keep AdamW
         assert Job.from_cfg(compose(tmp_path / head, f"head={head}")).optim.name == "adamw"
