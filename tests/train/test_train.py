@@ -28,8 +28,10 @@ def logged(out: Path, name: str) -> list[float]:
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_every_head_trains(name, fast_cfg, tmp_path):
     out = tmp_path / name
+    # AdamW for all: the head's wiring is under test, not the optimizer (Muon has its own test below; in 12 steps on
+    # this toy target it lowers EAGLE-1's loss by only ~7%, though it wins in the SmolLM2 recipe)
     cfg = fast_cfg(f"head={name}", "head.loss.kind=kl", "logger=csv", "trainer.max_steps=12", "optim.lr=3e-3",
-                   out=out)
+                   "optim.name=adamw", out=out)
     record = train(cfg)
     losses = logged(out, "train/loss")
     assert len(losses) == 12 and all(map(lambda x: x == x, losses))
@@ -88,8 +90,11 @@ def test_target_never_trained_or_checkpointed(fast_cfg, tmp_path, tiny_target):
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert all(k.startswith("head.") for k in ckpt["state_dict"])
     n_head = sum(v.numel() for k, v in ckpt["state_dict"].items())
-    n_opt = sum(s["exp_avg"].numel() for s in ckpt["optimizer_states"][0]["state"].values())
-    assert n_opt == n_head  # AdamW state for the head's parameters only
+    opt = ckpt["optimizer_states"][0]  # auto: Muon (momentum) on the hidden matrices, AdamW (exp_avg) on the rest
+    states = [*opt["muon"]["state"].values(), *opt["adamw"]["state"].values()] if "muon" in opt else [
+        *opt["state"].values()]
+    n_opt = sum((s.get("exp_avg", s.get("momentum_buffer"))).numel() for s in states)
+    assert n_opt == n_head  # optimizer state for the head's parameters only
     from heads.target import load_target
 
     fresh = load_target("tiny-random")  # train() loads its own copy; the seeded target is bit-identical
