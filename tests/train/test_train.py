@@ -93,7 +93,7 @@ def test_target_never_trained_or_checkpointed(fast_cfg, tmp_path, tiny_target):
     opt = ckpt["optimizer_states"][0]  # auto: Muon (momentum) on the hidden matrices, AdamW (exp_avg) on the rest
     states = [*opt["muon"]["state"].values(), *opt["adamw"]["state"].values()] if "muon" in opt else [
         *opt["state"].values()]
-    n_opt = sum((s.get("exp_avg", s.get("momentum_buffer"))).numel() for s in states)
+    n_opt = sum(s.get("exp_avg", s.get("momentum_buffer")).numel() for s in states)
     assert n_opt == n_head  # optimizer state for the head's parameters only
     from heads.target import load_target
 
