@@ -7,6 +7,7 @@
     python -m bench distill --records 64                                       # self-distillation tokens/s
     python -m bench vocab --families medusa eagle                              # scored-rows loss vs full vocab
     python -m bench feature-cache                                              # online target vs disk cache
+    python -m bench allocator                                                  # glibc keeping freed memory, THP
 
 Each subcommand is a module of this package with ``add_arguments(parser)`` and ``main(args)``; the arguments they
 share, the machine record and the JSON/markdown writer are bench/common.py's. A module keeps its heavy imports
@@ -26,6 +27,7 @@ SUBCOMMANDS = {  # name -> (module, one line)
     "distill": ("bench.distill", "self-distillation answer tokens per second and where the CPU goes"),
     "vocab": ("bench.vocab", "a training step with the scored-rows loss against the full-vocabulary loss"),
     "feature-cache": ("bench.feature_cache", "training from the disk feature cache against the target online"),
+    "allocator": ("bench.allocator", "training under glibc's defaults, glibc keeping freed memory, and huge pages"),
 }
 
 

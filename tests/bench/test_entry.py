@@ -17,7 +17,8 @@ ROOT = common.ROOT
 def test_every_subcommand_is_listed_and_parses():
     proc = subprocess.run([sys.executable, "-m", "bench", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert set(SUBCOMMANDS) == {"decode", "adaptive", "engines", "step", "distill", "vocab", "feature-cache"}
+    assert set(SUBCOMMANDS) == {"decode", "adaptive", "engines", "step", "distill", "vocab", "feature-cache",
+                                "allocator"}
     for name in SUBCOMMANDS:
         assert name in proc.stdout
     p = parser()
