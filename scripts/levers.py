@@ -45,10 +45,9 @@ ARMS = {
                  ["head.hparams.fc_norm=true", "head.hparams.norm_output=true"]),
     "eagle3.0": ("EAGLE-3 without 3.1's normalisation (SmolLM2's base has it since it won)",
                  ["head.hparams.fc_norm=false", "head.hparams.norm_output=false"]),
-    # optim.name=auto is Muon for EAGLE-3, EAGLE-1 and MTP and AdamW for Medusa: each arm is a lever for one kind of
-    # base
-    "muon": ("Muon on the hidden matrices (a Medusa base)", ["optim.name=muon"]),
-    "adamw": ("AdamW in place of Muon (an EAGLE-3, EAGLE-1 or MTP base)", ["optim.name=adamw"]),
+    # optim.name=auto is Muon (AdamW only under DeepSpeed): the muon arm is a lever for a base pinned to AdamW
+    "muon": ("Muon on the hidden matrices (a base with optim.name=adamw)", ["optim.name=muon"]),
+    "adamw": ("AdamW in place of Muon", ["optim.name=adamw"]),
     "one-pass": ("3x the answers (6 per prompt) in the base's steps: one pass at 180 steps, in place of ~3 epochs",
                  ["data.distill.samples_per_prompt=6"]),
     "steps-2x": ("360 steps over the same answers, ~7 epochs (EAGLE-3's default since it won; the others' is 180)",

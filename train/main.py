@@ -70,11 +70,10 @@ class Job:
 
         plain = lambda node: OmegaConf.to_container(node, resolve=True)
         deepspeed = "deepspeed" in str(cfg.trainer.get("strategy"))
-        if cfg.optim.get("name") == "auto":  # Muon where it was measured to win: EAGLE-3, +0.027 α₁ at equal CPU
-            # (docs/results/levers.md); in their recipes at 941k trained tokens MTP +0.115 validation α₁ and EAGLE-1
-            # +0.025 test α₁, higher at every position (docs/results/training-and-scaling.md). Medusa is
-            # unmeasured, and DeepSpeed cannot run Muon
-            cfg.optim.name = "muon" if cfg.head.name in ("eagle", "eagle3", "mtp") and not deepspeed else "adamw"
+        if cfg.optim.get("name") == "auto":  # Muon, measured to win for every family: EAGLE-3 +0.027 α₁ at equal
+            # CPU (docs/results/levers.md); in their recipes at 941k trained tokens MTP +0.115 validation α₁,
+            # EAGLE-1 +0.025 and Medusa +0.006 test α₁ (docs/results/training-and-scaling.md). DeepSpeed cannot run it
+            cfg.optim.name = "adamw" if deepspeed else "muon"
         if cfg.optim.get("name") == "muon" and deepspeed:
             raise UserError("optim.name=muon does not run under DeepSpeed (ZeRO hands the optimizer flat shards, not "
                             "matrices); use trainer=ddp or optim.name=adamw")

@@ -86,13 +86,11 @@ def test_muon_under_deepspeed_is_refused_in_one_line(compose, tmp_path):
         Job.from_cfg(cfg)
 
 
-def test_auto_is_muon_except_for_medusa_and_under_deepspeed(compose, tmp_path):
+def test_auto_is_muon_except_under_deepspeed(compose, tmp_path):
     from train.main import Job
 
-    for head in ("eagle", "eagle3", "mtp"):
+    for head in ("eagle", "eagle3", "mtp", "medusa"):
         assert Job.from_cfg(compose(tmp_path / f"a-{head}", f"head={head}")).optim.name == "muon"
         deepspeed = compose(tmp_path / f"b-{head}", f"head={head}", "trainer=deepspeed_zero2")
         assert Job.from_cfg(deepspeed).optim.name == "adamw"
     assert Job.from_cfg(compose(tmp_path / "c", "head=eagle3", "optim.name=adamw")).optim.name == "adamw"
-    # Medusa is unmeasured with Muon: it keeps AdamW
-    assert Job.from_cfg(compose(tmp_path / "medusa", "head=medusa")).optim.name == "adamw"
