@@ -1,5 +1,6 @@
 """keep_freed_memory: glibc keeps freed big blocks mapped, so allocating the same large buffer again does not fault
-its pages in afresh; the training job turns it on unless keep_freed_memory=false."""
+its pages in afresh; the trim callback gives them back; the training job turns both on unless
+keep_freed_memory=false."""
 from __future__ import annotations
 
 import subprocess
@@ -35,6 +36,31 @@ def test_kept_memory_is_not_faulted_in_again():
     assert default > 20 * 16_000 and keep < default / 5
 
 
+TRIM = """
+from train.trainer import keep_freed_memory, trim_freed_memory
+rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) // 1024
+keep_freed_memory()
+callback = trim_freed_memory(every=2)  # first: importing Lightning would reuse the freed block below
+buf = bytearray(256 << 20)
+buf[::4096] = b"x" * len(buf[::4096])
+small = bytearray(16)  # above the freed block: the heap's top cannot simply shrink
+del buf
+kept = rss()
+callback.on_train_batch_end(type("T", (), {"global_step": 1})())
+untrimmed = rss()
+callback.on_train_batch_end(type("T", (), {"global_step": 2})())
+print(kept, untrimmed, rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_the_trim_callback_gives_kept_memory_back_every_n_steps():
+    proc = subprocess.run([sys.executable, "-c", TRIM], capture_output=True, text=True, timeout=120, check=True)
+    kept, untrimmed, trimmed = map(int, proc.stdout.split())  # MiB of anonymous memory
+    assert kept > 250 and untrimmed > 250  # kept after free, and still kept at a step that is not the n-th
+    assert trimmed < kept - 200
+
+
 def test_the_job_turns_it_on_unless_told_not_to(compose, tmp_path, monkeypatch):
     import train.main as job
 
@@ -46,3 +72,10 @@ def test_the_job_turns_it_on_unless_told_not_to(compose, tmp_path, monkeypatch):
         with pytest.raises(job.UserError, match="stop here"):
             job.run(compose(tmp_path / value, f"keep_freed_memory={value}"))
         assert calls == expected
+    from train.trainer import build_trainer, resolve_hardware
+
+    for value, expected in (("true", ["TrimFreedMemory"]), ("false", [])):
+        cfg = compose(tmp_path / f"t-{value}", f"keep_freed_memory={value}")
+        resolve_hardware(cfg)
+        trainer = build_trainer(cfg, tmp_path)
+        assert [type(c).__name__ for c in trainer.callbacks if "Trim" in type(c).__name__] == expected
