@@ -10,7 +10,8 @@ memory in again 4 KiB at a time, step after step: the EAGLE-1 recipe spent 20% o
 minor faults), Medusa's 41% (docs/results/training-and-scaling.md). The arms:
 - ``glibc``: glibc's defaults (``keep_freed_memory=false``);
 - ``keep``: ``keep_freed_memory=true`` (train/trainer.py): mmap and trim thresholds at 2 GiB through mallopt, so big
-  blocks come from the heap and stay there once freed, and later steps reuse pages that are already mapped;
+  blocks come from the heap and stay there once freed, and later steps reuse pages that are already mapped; the
+  heap's free pages go back every 25 steps (malloc_trim), since kept memory alone grows run-long;
 - ``thp``: glibc's defaults with THP_MEM_ALLOC_ENABLE=1: PyTorch aligns blocks of 2 MiB and more to 2 MiB and asks
   the kernel for huge pages (512 times fewer faults, each zeroing 2 MiB).
 PyTorch reads its variable at the first allocation, so each arm is its own ``train/main.py`` process, its
