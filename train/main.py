@@ -31,7 +31,7 @@ from heads.checkpoint import check_target, load_head, save_head
 from heads.chat import MissingChatTemplate
 from heads.target import Target, load_target, shared_dir
 from train import UserError
-from train.trainer import build_trainer, keep_freed_memory, resolve_hardware
+from train.trainer import build_trainer, resolve_hardware
 
 if TYPE_CHECKING:  # imported for real inside the functions that use them (see below)
     import lightning as L
@@ -179,8 +179,6 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mode not in MODES:
         raise UserError(f"mode={cfg.mode!r}; choose train, eval or distill")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if cfg.get("keep_freed_memory"):
-        keep_freed_memory()
     job = Job.from_cfg(cfg)
     job.out.mkdir(parents=True, exist_ok=True)
     device, dtype = resolve_hardware(cfg)

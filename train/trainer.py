@@ -110,37 +110,48 @@ def glibc():
     return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "malloc_trim") else None
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(keep: bool = True) -> bool:
     """Have glibc serve large blocks from its heap and keep them there when freed (mallopt), so the next training
-    step reuses memory that is already mapped. By default every block over glibc's mmap threshold (at most 32 MiB) is
-    a fresh mmap, unmapped on free, and the kernel faults it in again 4 KiB at a time every step: 20-41% of the
-    recipes' CPU time (docs/results/training-and-scaling.md). Only blocks allocated after the call are affected.
-    Kept memory alone grows: batches of varying length free blocks the next step's sizes do not fit, and a Medusa
-    recipe run grew to 24 GiB and was killed at step ~700; build_trainer's trim_freed_memory callback bounds it. Returns False
-    where the C library is not glibc (macOS, musl): nothing to do there."""
+    step reuses memory that is already mapped; ``keep=False`` puts back the thresholds glibc's own adjustment grows to
+    (32 MiB mmap, 64 MiB trim) and trims. By default every block over the mmap threshold is a fresh mmap, unmapped on
+    free, and the kernel faults it in again 4 KiB at a time every step: 20-41% of the recipes' CPU time
+    (docs/results/training-and-scaling.md). Only blocks allocated after the call are affected. Kept memory alone
+    grows (batches of varying length free blocks later sizes do not fit: a Medusa recipe run was killed at 24 GiB),
+    so only training keeps it, trimmed every few steps: ``trim_freed_memory``. Returns False where the C library is
+    not glibc (macOS, musl): nothing to do there."""
     libc = glibc()
     if libc is None:
         return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, limit = -1, -3, 2**31 - 1  # mallopt takes a C int: 2 GiB is its largest
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, limit)) and bool(libc.mallopt(M_TRIM_THRESHOLD, limit))
-
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mmap, trim = (2**31 - 1, 2**31 - 1) if keep else (32 << 20, 64 << 20)  # mallopt takes a C int: 2 GiB at most
+    done = bool(libc.mallopt(M_MMAP_THRESHOLD, mmap)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim))
+    if not keep:
+        libc.malloc_trim(0)
+    return done
 
 
 def trim_freed_memory(every: int = 25):
-    """A callback for keep_freed_memory: it hands the heap's free pages back to the kernel (malloc_trim) every
-    ``every`` training steps and after each held-out check, so what one stretch of steps leaves free cannot pile up
-    into the next. The steps in between keep the speed of kept memory; one step in ``every`` faults its blocks in
-    again."""
+    """The callback for ``keep_freed_memory: true``: memory is kept from the start of fit to its end only (not while
+    answering prompts, building the feature cache or measuring the final α, which run unbounded by it), and the
+    heap's free pages go back to the kernel (malloc_trim) every ``every`` training steps and after each held-out
+    check, so what one stretch of steps leaves free cannot pile up into the next. The steps in between keep the speed
+    of kept memory; one step in ``every`` faults its blocks in again."""
     from lightning.pytorch.callbacks import Callback
 
     libc = glibc()
 
     class TrimFreedMemory(Callback):
+        def on_fit_start(self, trainer, *args) -> None:
+            keep_freed_memory()
+
         def on_train_batch_end(self, trainer, *args) -> None:
             if trainer.global_step % every == 0:
                 libc.malloc_trim(0)
 
         def on_validation_end(self, trainer, *args) -> None:
             libc.malloc_trim(0)
+
+        def on_fit_end(self, trainer, *args) -> None:
+            keep_freed_memory(keep=False)
 
     return TrimFreedMemory()
