@@ -52,7 +52,16 @@ class DataConfig:
     cache_features: bool = False  # run the target once over the training set and keep the features it reads
     features_on_disk: bool = False  # with cache_features: bf16 memory-mapped shards reused by later runs
     feature_dir: str | None = None  # null: ~/.cache/draftheads/features/<target>-<hash of target, data, layers>
+    # The training text's feature pass: "target" runs it in the target's dtype; "bf16" under bf16 autocast;
+    # "bf16-if-native" only where bf16 is native (a GPU, or a CPU with AMX or AVX512-BF16). The held-out text's
+    # features stay in the target's dtype, so mid-run checks measure the features the final α and a runner see.
+    feature_precision: str = "target"
     distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self):
+        if self.feature_precision not in ("target", "bf16", "bf16-if-native"):
+            raise UserError(f"data.feature_precision={self.feature_precision!r}; choose target, bf16 or "
+                            "bf16-if-native")
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataConfig":
@@ -306,20 +315,33 @@ class DraftDataModule(L.LightningDataModule):
         is a head pass over it; the final acceptance measurement still runs the target itself.
         """
         layers = sorted(set(layers) | {self.target.dims.num_layers})
+        autocast = self.feature_autocast()
         if self.cfg.features_on_disk:
             from train.feature_cache import attach
 
             root = self.cfg.feature_dir  # an explicit directory holds one key: the held-out text gets a subfolder
             self.feature_cache = attach(self.target, self.train_examples, layers, self.cfg.max_len, root,
-                                        batch_size=self.cfg.eval_batch_size)
+                                        batch_size=self.cfg.eval_batch_size, autocast=autocast)
             self.feature_cache["heldout"] = attach(self.target, self.eval_examples, layers, self.cfg.max_len,
                                                    f"{root}/heldout" if root else None,
                                                    batch_size=self.cfg.eval_batch_size)
             return
-        for examples in (self.train_examples, self.eval_examples):
-            self._cache_in_memory(examples, layers)
+        self._cache_in_memory(self.train_examples, layers, autocast)
+        self._cache_in_memory(self.eval_examples, layers)
 
-    def _cache_in_memory(self, examples: list[Example], layers: list[int]) -> None:
+    def feature_autocast(self) -> torch.dtype | None:
+        """The dtype the training text's feature pass autocasts to (data.feature_precision); None: no autocast."""
+        choice, device = self.cfg.feature_precision, next(self.target.model.parameters()).device
+        if choice == "target" or next(self.target.model.parameters()).dtype != torch.float32:
+            return None  # a half-precision target (GPUs) already runs its pass in half precision
+        if choice == "bf16-if-native" and device.type == "cpu":
+            from train.trainer import cpu_has_bf16_units
+
+            return torch.bfloat16 if cpu_has_bf16_units() else None
+        return torch.bfloat16
+
+    def _cache_in_memory(self, examples: list[Example], layers: list[int], autocast: torch.dtype | None = None
+                         ) -> None:
         """The same length-sorted batches as the evaluation loaders: the held-out features equal the online ones."""
         device = next(self.target.model.parameters()).device
         loader = self._loader(examples, LengthGroupedBatches(
@@ -329,7 +351,8 @@ class DraftDataModule(L.LightningDataModule):
             if all(examples[i].hidden is not None for i in idx):
                 continue  # kept from generation
             attn = None if bool(batch["attention_mask"].all()) else batch["attention_mask"].to(device)
-            hidden = self.target.hidden_states(batch["input_ids"].to(device), attn, layers)
+            with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                hidden = self.target.hidden_states(batch["input_ids"].to(device), attn, layers)
             for b, i in enumerate(idx):
                 n = len(examples[i].input_ids)
                 examples[i].hidden = {k: hidden[k][b, :n].cpu() for k in layers}

@@ -41,10 +41,14 @@ def data_hash(examples) -> str:
     return h.hexdigest()
 
 
-def cache_key(target: Target, examples, layers, max_len: int, shard_size: int) -> dict:
-    return {"version": 1, "target": target.identity(), "data_sha256": data_hash(examples), "layers": list(layers),
-            "max_len": max_len, "shard_size": shard_size, "dtype": "bfloat16",
-            "lengths": [len(ex.input_ids) for ex in examples]}
+def cache_key(target: Target, examples, layers, max_len: int, shard_size: int,
+              autocast: torch.dtype | None = None) -> dict:
+    key = {"version": 1, "target": target.identity(), "data_sha256": data_hash(examples), "layers": list(layers),
+           "max_len": max_len, "shard_size": shard_size, "dtype": "bfloat16",
+           "lengths": [len(ex.input_ids) for ex in examples]}
+    if autocast is not None:  # only then: the keys (and directories) of caches made in the target's dtype stay valid
+        key["pass_autocast"] = str(autocast).removeprefix("torch.")
+    return key
 
 
 def read_key(path: Path) -> dict | None:
@@ -78,10 +82,12 @@ def donor_shards(root: str | None, target: Target, key: dict, into: Path) -> dic
     to it are the user's, not ours to read."""
     if root:
         return {}
-    same = {k: v for k, v in key.items() if k not in ("data_sha256", "lengths")}
+    def same(k: dict) -> dict:
+        return {n: v for n, v in k.items() if n not in ("data_sha256", "lengths")}
+
     found: dict[str, Path] = {}
     for path, old in cache_dirs(target):
-        if path == into or {k: v for k, v in old.items() if k in same} != same:
+        if path == into or same(old) != same(key):  # both ways: a bf16-pass shard never serves a float32 cache
             continue
         try:
             hashes = json.loads((path / "shards.json").read_text())["shard_sha256"]
@@ -118,8 +124,10 @@ def read_shard(path: Path, tokens: int, width: int) -> np.ndarray | None:
 
 
 @torch.no_grad()
-def compute(target: Target, examples, layers, batch_size: int) -> list[torch.Tensor]:
-    """[T, len(layers) * H] bf16 features per example (kept-from-generation features are reused as they are)."""
+def compute(target: Target, examples, layers, batch_size: int, autocast: torch.dtype | None = None
+            ) -> list[torch.Tensor]:
+    """[T, len(layers) * H] bf16 features per example (kept-from-generation features are reused as they are);
+    ``autocast``: run the target's matmuls in that dtype (data.feature_precision)."""
     device = next(target.model.parameters()).device
     out: list[torch.Tensor | None] = [None] * len(examples)
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i].input_ids))
@@ -135,7 +143,8 @@ def compute(target: Target, examples, layers, batch_size: int) -> list[torch.Ten
         for r, i in enumerate(idx):  # right padding, as training batches are padded
             n = len(examples[i].input_ids)
             ids[r, :n], attn[r, :n] = examples[i].input_ids, 1
-        hidden = target.hidden_states(ids.to(device), None if bool(attn.all()) else attn.to(device), layers)
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            hidden = target.hidden_states(ids.to(device), None if bool(attn.all()) else attn.to(device), layers)
         for r, i in enumerate(idx):
             n = len(examples[i].input_ids)
             out[i] = torch.cat([hidden[k][r, :n] for k in layers], -1).to(torch.bfloat16).cpu()
@@ -143,11 +152,11 @@ def compute(target: Target, examples, layers, batch_size: int) -> list[torch.Ten
 
 
 def attach(target: Target, examples, layers, max_len: int, root: str | None = None, shard_size: int = 512,
-           batch_size: int = 8) -> dict:
+           batch_size: int = 8, autocast: torch.dtype | None = None) -> dict:
     """Give every example ``hidden`` {k: [T, H] bf16 memory-mapped view}, building missing shards first."""
     wanted = sorted(set(layers))
     H = target.dims.hidden_size
-    key = cache_key(target, examples, wanted, max_len, shard_size)
+    key = cache_key(target, examples, wanted, max_len, shard_size, autocast)
     found = superset_dir(root, target, key)
     if found:  # a cache built for a head that reads more layers: read our columns out of its shards
         path, layers = found
@@ -171,7 +180,7 @@ def attach(target: Target, examples, layers, max_len: int, root: str | None = No
         if arr is None:
             if file.exists():
                 log.warning("feature cache shard %s is incomplete or corrupt: rebuilding it", file)
-            rows = torch.cat(compute(target, [examples[i] for i in idx], layers, batch_size))  # [tokens, width]
+            rows = torch.cat(compute(target, [examples[i] for i in idx], layers, batch_size, autocast))  # [tokens, width]
             write_atomic(file, lambda f: np.save(f, rows.view(torch.int16).numpy()), "data.feature_dir")
             arr, built = read_shard(file, tokens, width), built + 1
         flat = torch.from_numpy(arr).view(torch.bfloat16)  # [tokens, L * H], no copy
@@ -182,7 +191,8 @@ def attach(target: Target, examples, layers, max_len: int, root: str | None = No
                                   if k in wanted}
             offset += n
     info = {"dir": str(path), "shards": len(shards), "shards_built": built, "shards_reused": reused,
-            "layers": wanted, "layers_on_disk": layers, "bytes_per_token": width * 2, "tokens": sum(key["lengths"])}
+            "layers": wanted, "layers_on_disk": layers, "bytes_per_token": width * 2, "tokens": sum(key["lengths"]),
+            "pass_autocast": key.get("pass_autocast")}
     log.info("feature cache %s: %d shards (%d built now, %d linked from other caches), %d tokens, %d bytes/token",
              path, len(shards), built, reused, info["tokens"], info["bytes_per_token"])
     return info

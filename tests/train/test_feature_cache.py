@@ -128,3 +128,55 @@ def test_midrun_alpha_gap_is_the_bf16_disk_features_alone(fast_cfg, tmp_path):
         assert record["midrun_alpha_gap"] == pytest.approx([a - c for a, c in zip(record["alpha"], check["alpha"])])
     assert memory["midrun_alpha_gap"] == pytest.approx([0.0] * 3, abs=1e-9)
     assert max(map(abs, disk["midrun_alpha_gap"])) < 0.05, disk["midrun_alpha_gap"]
+
+
+def test_a_bf16_feature_pass_is_keyed_apart_and_near_the_target_dtype(tiny_target, tmp_path, monkeypatch):
+    """data.feature_precision=bf16 runs the training text's pass under bf16 autocast: its cache directory is its own,
+    no shard is linked between it and a target-dtype cache either way, and its features are near the float32 ones
+    without being the same values."""
+    import torch
+
+    from train.data import Example
+    from train.feature_cache import attach
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    vocab = tiny_target.dims.vocab_size
+    data = [Example(torch.randint(3, vocab, (n,)), torch.ones(n, dtype=torch.bool)) for n in (9, 5, 12, 7)]
+    fresh = lambda: [Example(ex.input_ids, ex.loss_mask) for ex in data]  # noqa: E731
+    full, half = fresh(), fresh()
+    fp32 = attach(tiny_target, full, [1, 2], 64, shard_size=2)
+    bf16 = attach(tiny_target, half, [1, 2], 64, shard_size=2, autocast=torch.bfloat16)
+    assert (fp32["pass_autocast"], bf16["pass_autocast"]) == (None, "bfloat16")
+    assert bf16["dir"] != fp32["dir"] and (bf16["shards_built"], bf16["shards_reused"]) == (2, 0)
+    for a, b in zip(full, half):
+        for k in (1, 2):
+            err = float((a.hidden[k].float() - b.hidden[k].float()).norm() / a.hidden[k].float().norm())
+            assert 0 < err < 0.1, (k, err)
+    Path(fp32["dir"], "shard-00000.npy").unlink()  # the bf16 cache holds the same sequences: still not a donor
+    again = attach(tiny_target, fresh(), [1, 2], 64, shard_size=2)
+    assert again["dir"] == fp32["dir"] and (again["shards_built"], again["shards_reused"]) == (1, 0)
+
+
+def test_bf16_feature_pass_leaves_the_heldout_features_in_the_target_dtype(tiny_target, chat_files):
+    """Mid-run checks must see what the final α sees: with data.feature_precision=bf16 (features in memory) the
+    training text's features change and the held-out text's are the target dtype's, bit for bit. A bad choice is
+    refused before any work, naming the choices."""
+    import torch
+
+    from train.data import DataConfig, DraftDataModule
+
+    def cached(precision: str) -> DraftDataModule:
+        cfg = DataConfig(train_files=[str(chat_files[0])], eval_files=[str(chat_files[1])], cache_features=True,
+                         feature_precision=precision)
+        data = DraftDataModule(cfg, tiny_target)
+        data.prepare(layers=(1,))
+        data.cache_features([1])
+        return data
+
+    full, half = cached("target"), cached("bf16")
+    last = tiny_target.dims.num_layers
+    assert all(torch.equal(a.hidden[k], b.hidden[k]) for a, b in zip(full.eval_examples, half.eval_examples)
+               for k in (1, last))
+    assert not any(torch.equal(a.hidden[1], b.hidden[1]) for a, b in zip(full.train_examples, half.train_examples))
+    with pytest.raises(UserError, match="data.feature_precision='fp16'; choose target, bf16 or bf16-if-native"):
+        DataConfig(feature_precision="fp16")
