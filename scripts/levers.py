@@ -57,7 +57,7 @@ ARMS = {
                         "data.max_reference_records=2000", "trainer.max_steps=270"]),
     "greedy-text": ("training text: greedy answers (1 per prompt) in place of 2 sampled at T=0.7",
                     ["data.distill.temperature=0", "data.distill.samples_per_prompt=1"]),
-    "bf16": ("bf16-mixed training and feature passes (CPUs with AMX or AVX512-BF16 only)",
+    "bf16": ("bf16-mixed training; the feature pass stays float32 (CPUs with AMX or AVX512-BF16 only)",
              ["trainer.precision=bf16-if-native"]),
 }
 # Arms that mean nothing on some machines: bf16-if-native is fp32 (the base again) on a CPU without bf16 units.
