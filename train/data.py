@@ -314,11 +314,11 @@ class DraftDataModule(L.LightningDataModule):
         The held-out text of the main evaluation temperature is cached alike, so a mid-run α check (val/alpha@k)
         is a head pass over it; the final acceptance measurement still runs the target itself.
         """
-        layers = sorted(set(layers) | {self.target.dims.num_layers})
-        autocast = self.feature_autocast()
-        if self.cfg.features_on_disk:
-            from train.feature_cache import attach
+        from train.feature_cache import attach, pass_autocast
 
+        layers = sorted(set(layers) | {self.target.dims.num_layers})
+        autocast = pass_autocast(self.cfg.feature_precision, self.target)
+        if self.cfg.features_on_disk:
             root = self.cfg.feature_dir  # an explicit directory holds one key: the held-out text gets a subfolder
             self.feature_cache = attach(self.target, self.train_examples, layers, self.cfg.max_len, root,
                                         batch_size=self.cfg.eval_batch_size, autocast=autocast)
@@ -328,17 +328,6 @@ class DraftDataModule(L.LightningDataModule):
             return
         self._cache_in_memory(self.train_examples, layers, autocast)
         self._cache_in_memory(self.eval_examples, layers)
-
-    def feature_autocast(self) -> torch.dtype | None:
-        """The dtype the training text's feature pass autocasts to (data.feature_precision); None: no autocast."""
-        choice, device = self.cfg.feature_precision, next(self.target.model.parameters()).device
-        if choice == "target" or next(self.target.model.parameters()).dtype != torch.float32:
-            return None  # a half-precision target (GPUs) already runs its pass in half precision
-        if choice == "bf16-if-native" and device.type == "cpu":
-            from train.trainer import cpu_has_bf16_units
-
-            return torch.bfloat16 if cpu_has_bf16_units() else None
-        return torch.bfloat16
 
     def _cache_in_memory(self, examples: list[Example], layers: list[int], autocast: torch.dtype | None = None
                          ) -> None:

@@ -123,6 +123,18 @@ def read_shard(path: Path, tokens: int, width: int) -> np.ndarray | None:
     return arr if arr.shape == (tokens, width) and arr.dtype == np.int16 else None
 
 
+def pass_autocast(choice: str, target: Target) -> torch.dtype | None:
+    """The dtype the training text's feature pass autocasts to (data.feature_precision); None: no autocast."""
+    weight = next(target.model.parameters())
+    if choice == "target" or weight.dtype != torch.float32:
+        return None  # a half-precision target (GPUs) already runs its pass in half precision
+    if choice == "bf16-if-native" and weight.device.type == "cpu":
+        from train.trainer import cpu_has_bf16_units
+
+        return torch.bfloat16 if cpu_has_bf16_units() else None
+    return torch.bfloat16
+
+
 @torch.no_grad()
 def compute(target: Target, examples, layers, batch_size: int, autocast: torch.dtype | None = None
             ) -> list[torch.Tensor]:
