@@ -82,12 +82,13 @@ def donor_shards(root: str | None, target: Target, key: dict, into: Path) -> dic
     to it are the user's, not ours to read."""
     if root:
         return {}
-    def same(k: dict) -> dict:
+
+    def shape_of(k: dict) -> dict:  # what a shard's bytes depend on, beyond the sequences it holds
         return {n: v for n, v in k.items() if n not in ("data_sha256", "lengths")}
 
-    found: dict[str, Path] = {}
+    wanted, found = shape_of(key), {}
     for path, old in cache_dirs(target):
-        if path == into or same(old) != same(key):  # both ways: a bf16-pass shard never serves a float32 cache
+        if path == into or shape_of(old) != wanted:  # both ways: a bf16-pass shard never serves a float32 cache
             continue
         try:
             hashes = json.loads((path / "shards.json").read_text())["shard_sha256"]
@@ -192,7 +193,7 @@ def attach(target: Target, examples, layers, max_len: int, root: str | None = No
         if arr is None:
             if file.exists():
                 log.warning("feature cache shard %s is incomplete or corrupt: rebuilding it", file)
-            rows = torch.cat(compute(target, [examples[i] for i in idx], layers, batch_size, autocast))  # [tokens, width]
+            rows = torch.cat(compute(target, [examples[i] for i in idx], layers, batch_size, autocast))  # [tokens, W]
             write_atomic(file, lambda f: np.save(f, rows.view(torch.int16).numpy()), "data.feature_dir")
             arr, built = read_shard(file, tokens, width), built + 1
         flat = torch.from_numpy(arr).view(torch.bfloat16)  # [tokens, L * H], no copy
