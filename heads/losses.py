@@ -27,31 +27,10 @@ def alpha(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor
     return torch.minimum(target_probs, draft_probs).sum(-1)
 
 
-def scored_logits(out: HeadOutput, mask: torch.Tensor, k: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+def scored_logits(out: HeadOutput, mask: torch.Tensor, k: int) -> torch.Tensor:
     """Draft step k's logits [N, V_draft] at the anchors whose predicted token is scored (``shift_pair``'s mask),
-    read out only there (and only at the rows ``keep`` [N] holds). Rows in the order of ``target[:, k:][mask[:, k:]]``."""
-    rows = out.states[k - 1][:, :-k][mask[:, k:]]
-    return out.step_logits(k, rows if keep is None else rows[keep])
-
-
-def greedy_context(feats: TargetFeatures, steps: int) -> list[torch.Tensor]:
-    """For step k = 1..steps, [N] bool over the scored rows (``loss_mask`` order): the k text tokens between step
-    k's anchor and its predicted token were each the target's greedy choice.
-
-    Why: a head that never sees the tokens drafted before it (Medusa) is asked, at T = 0, for the token after the
-    target's greedy continuation. Where the training text (a reference answer) took another token, the soft label
-    continues a token the head cannot infer from h_t, and teaches it a blur of continuations it will never be asked.
-    """
-    mask = feats.loss_mask
-    batch, position = mask.nonzero().unbind(1)  # [N] each scored row's sequence and position
-    greedy = torch.zeros_like(mask)  # [B, T]: x_{t+1} is the target's argmax at t (False outside the scored text)
-    with torch.no_grad():
-        greedy[mask] = feats.scored_target_logits().argmax(-1) == feats.input_ids.roll(-1, dims=1)[mask]
-    out, run = [], torch.ones_like(position, dtype=torch.bool)
-    for k in range(1, steps + 1):  # step k's hidden tokens x_{p-k+1..p} were predicted at positions p-k..p-1
-        run = run & greedy[batch, (position - k).clamp_min(0)] & (position >= k)
-        out.append(run)
-    return out
+    read out only there. Rows in the order of ``target[:, k:][mask[:, k:]]``."""
+    return out.step_logits(k, out.states[k - 1][:, :-k][mask[:, k:]])
 
 
 LOSS_KINDS = ("soft_ce", "kl", "tv", "lk", "lk_alpha")
@@ -82,9 +61,8 @@ def distill_loss(draft_logits, target_probs, kind: str = "soft_ce", lk_eta: floa
 
 
 def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce", step_decay: float = 1.0,
-              temperature: float = 1.0, greedy_only: bool = False):
+              temperature: float = 1.0):
     """Masked mean loss per step, weighted step_decay**(k-1), and α per step at ``temperature``.
-    ``greedy_only``: step k trains only where ``greedy_context`` holds (logged as the kept fraction ``kept@k``).
 
     Returns (loss, {"loss@k": ..., "alpha@k": ..., "count@k": ...} for k = 1..K, plus aux losses).
     Only scored rows are ever built: the draft's logits (``scored_logits``) and the target's soft labels, the
@@ -107,17 +85,12 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
             alpha_probs = (target_draft / temperature - (scored / temperature).logsumexp(-1, keepdim=True)).exp()
         else:
             best = scored.argmax(-1)  # [N]
-    greedy = greedy_context(feats, len(out.states)) if greedy_only else None
     for k in range(1, len(out.states) + 1):
         rows = position >= k  # [N] the scored positions step k predicts (anchor = position - k >= 0)
-        keep = None
-        if greedy is not None:
-            keep, rows = greedy[k - 1][rows], greedy[k - 1]
-            stats[f"kept@{k}"] = keep.float().mean() if keep.numel() else keep.new_zeros((), dtype=torch.float)
         count = rows.sum()
         if count == 0:
             continue
-        draft = scored_logits(out, mask, k, keep)  # [count, V_draft]
+        draft = scored_logits(out, mask, k)  # [count, V_draft]
         step_loss = distill_loss(draft, target_probs[rows], kind).mean()
         total = total + step_decay ** (k - 1) * step_loss
         with torch.no_grad():

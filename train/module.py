@@ -28,8 +28,6 @@ from train.optimizers import OPTIMIZERS, build_optimizer
 class LossConfig:
     kind: str = "soft_ce"  # soft_ce | kl | tv | lk | lk_alpha: heads/losses.py distill_loss
     step_decay: float = 1.0  # weight of draft step k is step_decay**(k-1); EAGLE-3 uses 0.8
-    greedy_only: bool = False  # step k trains only where the k tokens the head skips were the target's greedy
-    # choices (heads/losses.py greedy_context): for heads that never see the tokens drafted before them (Medusa)
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -122,7 +120,7 @@ class DraftModule(L.LightningModule):
             self.head.resample_loss_vocab(self.global_step)
         out = self.head(feats)
         loss, stats = head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
-                                temperature=self.eval_cfg.temperature, greedy_only=self.loss_cfg.greedy_only)  # train/alpha@k comparable to val/alpha@k
+                                temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k
         B = batch["input_ids"].shape[0]
         tokens = batch["loss_mask"].sum()  # counted here, not in on_train_batch_end: checkpoints are written first
         if self.trainer.world_size > 1:  # every rank holds the global count, so rank 0's checkpoint has it
