@@ -209,6 +209,8 @@ def train(job: Job, target: Target) -> dict:
 
 def fit(job: Job, target: Target) -> Fitted:
     """Prepare the data (answered by the target first with distill_first), build and initialise the head, train it."""
+    from lightning import seed_everything
+
     from train.data import DraftDataModule
     from train.module import DraftModule
     from train.selection import BEST_BY, BestHead
@@ -221,6 +223,10 @@ def fit(job: Job, target: Target) -> Fitted:
 
         answers = regenerate(job.distill, target)
         job.data.train_files = [d["files"] for d in answers["datasets"].values()]
+    # Seeded again: what ran since the first seeding draws on torch's generator only when the cache is cold
+    # (converting the GGUF target builds a randomly initialised model first), and the same command must train the
+    # same head from an empty cache as from a warm one.
+    seed_everything(cfg.seed, workers=True, verbose=False)
     head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
     data = DraftDataModule(job.data, target, cfg.seed)
     prepare_data(data, head.feature_layers, eval_temperatures(job.eval), job.eval.top_p)

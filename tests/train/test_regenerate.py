@@ -130,8 +130,36 @@ def test_recipe_distils_caches_trains_and_reuses_both(compose, write_chat, tmp_p
     second = run(compose(tmp_path / "run2", *overrides))  # answers and features come from disk
     assert second["feature_cache"]["shards_built"] == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "answers").rglob("*.jsonl")}
+    # The same command trains the same head whether its answers and features were cached or made in the run
+    heads = [sorted((tmp_path / run / "head").glob("*.safetensors")) for run in ("run1", "run2")]
+    assert heads[0] and [p.name for p in heads[0]] == [p.name for p in heads[1]]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(*heads))
+    assert first["alpha"] == second["alpha"]
 
 
 def test_an_unknown_engine_is_refused_in_one_line():
     with pytest.raises(UserError, match=r"^distill.engine='sglang'; choose one of builtin, vllm$"):
         RegenConfig(files=["x"], engine="sglang")
+
+
+@pytest.mark.slow
+def test_first_run_after_install_trains_the_rerun_s_head(compose, write_chat, tmp_path, monkeypatch):
+    """SmolLM2 from an empty cache: the GGUF is converted (transformers builds a randomly initialised model first,
+    drawing on torch's generator) and the prompts answered; the rerun does neither. Both must train the same head."""
+    from train.main import run
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    prompts, heldout = write_prompts(tmp_path / "p.jsonl", 8), write_chat(tmp_path / "heldout.jsonl", n=4)
+    overrides = ("experiment=smollm2-eagle3", "target=smollm2-135m", "logger=none", f"distill.files=[{prompts}]",
+                 "distill.exclude_files=[]", "distill.max_new_tokens=8", "distill.shard_size=4",
+                 "data.distill.max_new_tokens=8", f"data.eval_files=[{heldout}]", "data.max_eval_records=null",
+                 "data.reference_files=[]",
+                 "trainer.max_steps=3", "trainer.val_check_interval=3", "head.hparams.draft_vocab_size=64",
+                 "eval.extra_temperatures=[]")
+    first = run(compose(tmp_path / "run1", *overrides))
+    assert (tmp_path / "cache" / "targets").is_dir() and first["feature_cache"]["shards_built"] >= 1
+    second = run(compose(tmp_path / "run2", *overrides))
+    assert second["feature_cache"]["shards_built"] == 0
+    heads = [sorted((tmp_path / run / "head").glob("*.safetensors")) for run in ("run1", "run2")]
+    assert heads[0] and all(a.read_bytes() == b.read_bytes() for a, b in zip(*heads))
+    assert first["alpha"] == second["alpha"]
