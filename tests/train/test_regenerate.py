@@ -130,8 +130,12 @@ def test_recipe_distils_caches_trains_and_reuses_both(compose, write_chat, tmp_p
     second = run(compose(tmp_path / "run2", *overrides))  # answers and features come from disk
     assert second["feature_cache"]["shards_built"] == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "answers").rglob("*.jsonl")}
-    # The same command trains the same head whether its answers and features were cached or made in the run
-    heads = [sorted((tmp_path / run / "head").glob("*.safetensors")) for run in ("run1", "run2")]
+    assert_same_head(tmp_path / "run1", tmp_path / "run2", first, second)  # cached or made, the same head
+
+
+def assert_same_head(run1: Path, run2: Path, first: dict, second: dict):
+    """The two runs saved byte-identical heads and measured the same α."""
+    heads = [sorted((run / "head").glob("*.safetensors")) for run in (run1, run2)]
     assert heads[0] and [p.name for p in heads[0]] == [p.name for p in heads[1]]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(*heads))
     assert first["alpha"] == second["alpha"]
@@ -153,13 +157,10 @@ def test_first_run_after_install_trains_the_rerun_s_head(compose, write_chat, tm
     overrides = ("experiment=smollm2-eagle3", "target=smollm2-135m", "logger=none", f"distill.files=[{prompts}]",
                  "distill.exclude_files=[]", "distill.max_new_tokens=8", "distill.shard_size=4",
                  "data.distill.max_new_tokens=8", f"data.eval_files=[{heldout}]", "data.max_eval_records=null",
-                 "data.reference_files=[]",
-                 "trainer.max_steps=3", "trainer.val_check_interval=3", "head.hparams.draft_vocab_size=64",
-                 "eval.extra_temperatures=[]")
+                 "data.reference_files=[]", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                 "head.hparams.draft_vocab_size=64", "eval.extra_temperatures=[]")
     first = run(compose(tmp_path / "run1", *overrides))
     assert (tmp_path / "cache" / "targets").is_dir() and first["feature_cache"]["shards_built"] >= 1
     second = run(compose(tmp_path / "run2", *overrides))
     assert second["feature_cache"]["shards_built"] == 0
-    heads = [sorted((tmp_path / run / "head").glob("*.safetensors")) for run in ("run1", "run2")]
-    assert heads[0] and all(a.read_bytes() == b.read_bytes() for a, b in zip(*heads))
-    assert first["alpha"] == second["alpha"]
+    assert_same_head(tmp_path / "run1", tmp_path / "run2", first, second)
