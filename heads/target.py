@@ -77,14 +77,15 @@ def _smollm2_dir() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     log.info("converting %s to safetensors in %s (once)", SMOLLM2_GGUF, out)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    with torch.random.fork_rng():  # the rebuild initialises at random: a cold cache must not move the caller's seed
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        # The GGUF-loaded model carries a quantization_config that save_pretrained chokes on; a plain rebuild saves.
+        config = loaded.config
+        config.quantization_config = None
+        del config.quantization_config
+        plain = LlamaForCausalLM(config)
+        plain.load_state_dict(loaded.state_dict())
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-    # The GGUF-loaded model carries a quantization_config that save_pretrained chokes on; a plain rebuild saves.
-    config = loaded.config
-    config.quantization_config = None
-    del config.quantization_config
-    plain = LlamaForCausalLM(config)
-    plain.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + ".tmp")
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

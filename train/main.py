@@ -223,9 +223,8 @@ def fit(job: Job, target: Target) -> Fitted:
 
         answers = regenerate(job.distill, target)
         job.data.train_files = [d["files"] for d in answers["datasets"].values()]
-    # Seeded again: what ran since the first seeding draws on torch's generator only when the cache is cold
-    # (converting the GGUF target builds a randomly initialised model first), and the same command must train the
-    # same head from an empty cache as from a warm one.
+    # Seeded again: the stages since the first seeding (converting the target, answering prompts) run only on a cold
+    # cache, and the same command must train the same head from an empty cache as from a warm one, whatever they draw.
     seed_everything(cfg.seed, workers=True, verbose=False)
     head = make_head(cfg, target)  # first: its feature layers decide what the data pass keeps
     data = DraftDataModule(job.data, target, cfg.seed)
