@@ -3,9 +3,9 @@
     python -m bench step --threads 2 --out step_out
 
 On the same target, threads and cached context (--context tokens), best of --reps interleaved runs:
-- serve/model.py as it runs (few-token projections as W·xᵀ), and with few-token passes as plain x·Wᵀ
-  (FEW_TOKENS = 0; the one-token path is the same code in both), and with few-token attention split over all
-  --threads (SERIAL_ATTENTION_TOKENS = 0; serve runs it on one thread);
+- serve/model.py as it runs (few-token projections as the product serve/linear.py timed fastest here), and with
+  few-token passes as plain x·Wᵀ (FEW_TOKENS = 0; the one-token path is the same code in both), and with few-token
+  attention split over all --threads (SERIAL_ATTENTION_TOKENS = 0; serve runs it on one thread);
 - with --compile: serve/model.py under torch.compile (Transformer.compile), and --ab-steps alternating one-token
   steps of it and the eager model;
 - HF's forward with its own cache;
@@ -122,6 +122,7 @@ class LlamaBench:
 
 def main(args):
     from heads.target import load_target, resolve_path
+    from serve import linear as serve_linear
     from serve import model as serve_model
     from serve.model import Transformer
 
@@ -134,11 +135,11 @@ def main(args):
     run = serve_step(model, ids, args.context)
 
     def plain_linear(n):  # the same model with every projection as x·Wᵀ (FEW_TOKENS = 0)
-        saved, serve_model.FEW_TOKENS = serve_model.FEW_TOKENS, 0
+        saved, serve_linear.FEW_TOKENS = serve_linear.FEW_TOKENS, 0
         try:
             return run(n)
         finally:
-            serve_model.FEW_TOKENS = saved
+            serve_linear.FEW_TOKENS = saved
 
     def threaded_attention(n):  # the same model with attention split over every thread (SERIAL_ATTENTION_TOKENS = 0)
         saved, serve_model.SERIAL_ATTENTION_TOKENS = serve_model.SERIAL_ATTENTION_TOKENS, 0
@@ -184,8 +185,10 @@ def main(args):
         rows.append({"method": f"llama.cpp f32 (llama-bench, poll {args.llama_poll})",
                      "step_ms": 1e3 * llama["step_s"], "r(4)": llama["r4"], "step / llama.cpp": 1.0})
     settings = {k: v for k, v in vars(args).items() if k not in ("module", "subcommand")}
+    picked = {f"{m.out_features}x{m.in_features}": m.few for m in model.modules() if isinstance(m, serve_linear.Linear)}
     report = common.record(target=args.target, context=args.context, sizes=args.sizes, reps=args.reps,
-                           rows=rows, llama_bench=llama, compiled_over_eager_paired=paired_compiled, settings=settings)
+                           rows=rows, llama_bench=llama, compiled_over_eager_paired=paired_compiled,
+                           few_token_products=picked, settings=settings)
     common.write(out, "step", report, markdown(report))
 
 
@@ -201,5 +204,7 @@ def markdown(report: dict) -> str:
         lines += ["", f"One-token step, serve compiled ÷ eager: {report['compiled_over_eager_paired']:.3f} (median "
                   f"over {report['settings']['ab_steps']} alternating pairs)."]
     lines += ["", "step_ms: one one-token step after the cached context; r(n): an n-token pass ÷ a one-token step.",
-              ""]
+              "", "Few-token products serve/linear.py picked here (weight shape: up to T tokens → product): " +
+              "; ".join(f"{shape}: " + ", ".join(f"≤{upto} {p}" for upto, p in spans)
+                        for shape, spans in report.get("few_token_products", {}).items()), ""]
     return "\n".join(lines)

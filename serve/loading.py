@@ -9,7 +9,7 @@ import torch
 from heads.checkpoint import check_target, load_head
 from heads.errors import UserError
 from heads.target import resolve_dtype
-from serve.model import fast_linears
+from serve.linear import fast_linears
 
 
 def resolve_device(cfg) -> tuple[str, torch.dtype]:
@@ -32,7 +32,7 @@ def load_draft_head(head_path, target, model, dtype):
 
 
 def ready_to_draft(head, model, dtype):
-    """Attach the runner's target modules and give the head the runner's projections (serve.model.fast_linears; on
+    """Attach the runner's target modules and give the head the runner's projections (serve.linear.fast_linears; on
     the project's 2-core CPU an EAGLE-3 draft step went from 5.4 to 4.5 ms, its own 32k-row lm_head's share)."""
     head.attach_modules(model.embed_tokens, model.lm_head, model.norm)
     return fast_linears(head.to(dtype).eval().requires_grad_(False))

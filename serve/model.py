@@ -21,114 +21,13 @@ from torch import nn
 
 from heads import layers
 from heads.layers import apply_rotary
+from serve.linear import Linear, add_row_copies, pick_products
 
 SUPPORTED = ("llama", "mistral", "qwen2")  # same block; qwen2 only adds q/k/v biases (config.attention_bias)
 
 
-FEW_TOKENS = 16  # up to this many tokens a projection runs as W·xᵀ (see Linear)
 COMPILED_MAX_TOKENS = 128  # under Transformer.compile, longer passes run eager (a verify pass: <= 65 tokens)
 SERIAL_ATTENTION_TOKENS = 16  # up to this many tokens attention runs on one CPU thread (see attend; 0: never)
-WEIGHT_T_MAX_BYTES = 4 << 30  # the [in, out] copies double weight memory: only for targets a CPU box holds twice
-
-
-class Linear(nn.Linear):
-    """nn.Linear that computes a verify pass's few tokens as (W·xᵀ)ᵀ instead of x·Wᵀ on CPU.
-
-    Same product, but MKL's GEMM runs the tall-times-few-columns shape far faster: on the 2-core AMD EPYC this
-    project measures on, for SmolLM2-135M's matrices at T = 4, 81 ms against 142 ms per pass (one thread;
-    `bench step`). The verify pass over γ + 1 tokens is what r(γ + 1) measures, so this is the speculative
-    speedup's denominator. One token and long prompts keep nn.Linear (no gain there). The result is made
-    contiguous again: left as the transposed view, every later op (rotary, SDPA, which then falls back to its
-    math path) ran on hd-major strides and a 4-token pass cost ~25% more.
-
-    A one-token step reads a second copy of the weight stored [in, out] (``weight_t``): MKL's x·Wᵀ for one row
-    streams the weights ~25% slower than x·Wt on this CPU (single thread, weights out of cache), and the
-    one-token step is what vanilla decoding and drafting repeat. Few-token passes stay on [out, in], where
-    x·Wt is the slow one (2× at T = 4). The cost is the weights' memory twice over on CPU.
-
-    With more than one thread the product runs as one ``bmm`` over the copy's two column halves (a strided view,
-    no second copy): MKL computes a one-row product on one thread however many it is given, while ``bmm`` hands
-    each half to its own thread. Whole one-token step, 2 threads, the two layouts interleaved in one process
-    (60 rounds; five processes, either built first): 0.86-0.90× of x·Wt's time. On one thread the halves cost
-    ~20% more, so one thread keeps x·Wt. The halves are the same columns: the result is bit-identical to x·Wt."""
-
-    weight_t: torch.Tensor | None = None  # [in, out] copy for one-token steps on CPU (set by Transformer.from_hf)
-    halves: torch.Tensor | None = None  # weight_t as [2, in, out/2] (a view), set by Transformer.compile on >1 thread
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # rows as a head reads them out ([1, H] a chain step, [N, H] a tree's nodes): T = rows
-            return self.forward(x[None])[0]
-        if torch.compiler.is_compiling() and x.device.type == "cpu":  # see Transformer.compile
-            if self.weight_t is not None and x.shape[-2] == 1 and x.dim() == 3:
-                return self.compiled_row(x)
-            if few_tokens(x):  # left transposed: inductor lays it out for the op that reads it
-                out = transposed_product(x, self.weight)[None]
-                return out if self.bias is None else out + self.bias
-            return F.linear(x, self.weight, self.bias)
-        return project(x, self.weight, self.weight_t, self.bias)
-
-    def compiled_row(self, x: torch.Tensor) -> torch.Tensor:
-        """``project``'s one-token product in ops inductor leaves to MKL: it lowers a one-row ``bmm`` to its own
-        loops (half MKL's speed here), but calls ``baddbmm`` (= bmm at beta=0) and ``mm`` as they are."""
-        d_in = x.shape[-1]
-        if self.halves is None:
-            out = (x.view(1, d_in) @ self.weight_t).view(1, 1, -1)
-        else:
-            out = torch.baddbmm(x.new_zeros(2, 1, self.halves.shape[2]), x[0].expand(2, 1, d_in), self.halves, beta=0)
-            out = out.transpose(0, 1).reshape(1, 1, -1)
-        return out if self.bias is None else out + self.bias
-
-
-def fast_linears(module: nn.Module) -> nn.Module:
-    """Make every nn.Linear under ``module`` this file's Linear, in place: same tensors, plus on CPU the [in, out]
-    copy its one-token products read (add_row_copies). For a draft head, whose drafting is a chain of one-token
-    steps: its projections (and a Medusa or EAGLE-3 head's own lm_head) then run as the target's do. Modules the
-    head only references (the target's embedding and lm_head) are not its children and are left alone."""
-    for parent in list(module.modules()):
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear:
-                fast = Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                fast.weight, fast.bias = child.weight, child.bias
-                setattr(parent, name, fast)
-    add_row_copies([m for m in module.modules() if isinstance(m, Linear)])
-    return module
-
-
-def add_row_copies(linears: list[Linear]) -> None:
-    """On CPU, give each Linear the [in, out] copy its one-token products read, if all the copies together stay
-    within WEIGHT_T_MAX_BYTES (they double the weights' memory)."""
-    if linears and linears[0].weight.device.type == "cpu" and \
-            sum(m.weight.nbytes for m in linears) <= WEIGHT_T_MAX_BYTES:
-        for m in linears:
-            m.weight_t = m.weight.detach().t().contiguous()
-
-
-def project(x, weight, weight_t, bias):
-    """``Linear``'s product: x·Wt (as column halves on several threads) for one token, (W·xᵀ)ᵀ for a few."""
-    T = x.shape[-2]
-    if weight_t is not None and T == 1 and x.dim() == 3:
-        d_in, d_out = weight_t.shape
-        if d_out % 2 or torch.get_num_threads() == 1:
-            out = x @ weight_t  # [1, 1, out]
-        else:  # [2, 1, in] @ [2, in, out/2]: a half per thread
-            halves = weight_t.view(d_in, 2, d_out // 2).transpose(0, 1)
-            out = torch.bmm(x[0].expand(2, 1, d_in), halves).transpose(0, 1).reshape(1, 1, d_out)
-        return out if bias is None else out + bias
-    if x.device.type != "cpu" or not few_tokens(x):
-        return F.linear(x, weight, bias)
-    out = transposed_product(x, weight).contiguous()  # [T, out]
-    if bias is not None:
-        out = out + bias
-    return out[None]
-
-
-def few_tokens(x: torch.Tensor) -> bool:
-    return x.dim() == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= FEW_TOKENS
-
-
-def transposed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, T, in] -> x·Wᵀ [T, out] computed as (W·xᵀ)ᵀ, a transposed view (see Linear)."""
-    return (weight @ x[0].transpose(0, 1)).transpose(0, 1)
 
 
 class RMSNorm(layers.RMSNorm):
@@ -262,7 +161,7 @@ class Transformer(nn.Module):
     @classmethod
     def from_hf(cls, hf_model: nn.Module) -> "Transformer":
         """Share the HF model's tensors (``assign=True``), same device and dtype; the fused q/k/v and gate/up
-        matrices and, on CPU, every projection's [in, out] copy (see Linear) are copies made here, so later
+        matrices and, on CPU, every projection's [in, out] copy (see serve.linear) are copies made here, so later
         changes to the HF weights are not seen."""
         rotary = hf_model.model.rotary_emb  # HF computed inv_freq for this rope type (default, llama3, ...)
         model = cls(hf_model.config, rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))
@@ -271,7 +170,9 @@ class Transformer(nn.Module):
             state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(fuse_projections(state), strict=True, assign=True)
         model = model.to(hf_model.device).eval().requires_grad_(False)
-        add_row_copies([m for m in model.modules() if isinstance(m, Linear)])
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        add_row_copies(linears)
+        pick_products(linears)  # timed here: which few-token product is fastest depends on the CPU
         return model
 
     def compile(self, **kwargs) -> "Transformer":
@@ -290,6 +191,7 @@ class Transformer(nn.Module):
         hidden-state set and last_only flag cost dynamo another graph, some in the middle of a benchmark's timed
         requests (a 4-head `bench decode` run had compiled 26 graphs and was still compiling)."""
         threads = torch.get_num_threads()  # fixed now: a traced thread query breaks the graph
+        pick_products([m for m in self.modules() if isinstance(m, Linear)])  # for the threads it compiles with
         for module in self.modules():
             if isinstance(module, Linear) and module.weight_t is not None:
                 d_in, d_out = module.weight_t.shape

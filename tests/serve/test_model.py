@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from serve.model import Linear, Transformer, fast_linears
+from serve.linear import (FEW_TOKENS, PICK_TOKENS, PRODUCTS, SWITCH_GAIN, Linear, fast_linears, product_for,
+                          spans)
+from serve.model import Transformer
 from serve.verify import tree_attention_bias, tree_depths
 
 from tests.serve.conftest import perturbed_head
@@ -14,9 +16,14 @@ from tests.serve.conftest import perturbed_head
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def check_chunks(target, T=40, chunks=(0, 23, 24, 31), atol=1e-4):
-    """Prefill and decode in uneven chunks == one HF forward, for logits and every hidden_states index."""
+def check_chunks(target, T=40, chunks=(0, 23, 24, 31), atol=1e-4, product=None):
+    """Prefill and decode in uneven chunks == one HF forward, for logits and every hidden_states index (with every
+    projection's few-token passes, here of 7 and 9 tokens, forced to ``product`` when given)."""
     model = Transformer.from_hf(target.model)
+    if product is not None:
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.few = ((FEW_TOKENS, product),)
     model.setup_cache(64)
     L = model.num_layers
     ids = torch.randint(0, target.dims.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
@@ -37,6 +44,38 @@ def check_chunks(target, T=40, chunks=(0, 23, 24, 31), atol=1e-4):
 
 def test_equals_hf_tiny(tiny_target):
     check_chunks(tiny_target)
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_every_few_token_product_equals_hf(tiny_target, product):
+    check_chunks(tiny_target, product=product)
+
+
+def test_from_hf_picks_a_product_for_every_pass_size(tiny_target):
+    """Every projection gets spans that cover 2..FEW_TOKENS tokens in order, each naming a product it can run."""
+    model = Transformer.from_hf(tiny_target.model)
+    for m in [m for m in model.modules() if isinstance(m, Linear)]:
+        bounds = [upto for upto, _ in m.few]
+        assert bounds == sorted(set(bounds)) and bounds[-1] == FEW_TOKENS
+        assert {product for _, product in m.few} <= set(PRODUCTS)
+        assert product_for(m.few, FEW_TOKENS + 1) == "linear"  # past FEW_TOKENS: nn.Linear's product
+
+
+def test_spans_keep_the_fastest_product_per_size_and_ignore_near_ties():
+    """A size's fastest product holds up to the next timed size; a product within SWITCH_GAIN of the one before it
+    does not cut a new span, one clearly faster does."""
+    seconds = {}
+    for T in PICK_TOKENS:
+        seconds["linear", T] = 1.0
+        seconds["row_copy", T] = 1.0 + 0.5 * SWITCH_GAIN if T < 4 else 0.5  # near tie below 4 tokens, then 2x faster
+        seconds["transposed", T] = 3.0
+    seconds["row_copy", 2] = 0.9  # fastest at the first size
+    got = spans(seconds)
+    assert got == ((FEW_TOKENS, "row_copy"),)  # 3 tokens: linear only 5% faster, so row_copy holds
+    seconds["row_copy", 2] = 1.1
+    got = spans(seconds)
+    assert got == ((3, "linear"), (FEW_TOKENS, "row_copy"))
+    assert [product_for(got, T) for T in (2, 3, 4, 12)] == ["linear", "linear", "row_copy", "row_copy"]
 
 
 def test_two_threads_equals_hf(tiny_target):
