@@ -111,7 +111,7 @@ _picked: dict[tuple, tuple] = {}  # (shape, dtype, threads, has the copy) -> spa
 def pick_products(linears: list[Linear]) -> None:
     """Set each CPU Linear's few-token products to those that ran fastest on this machine for its weight's shape
     at the current thread count, per pass size. Timed once per shape and thread count in a process (SmolLM2-135M:
-    five shapes, ~1 s); Transformer.compile picks again for the thread count it compiles with."""
+    five shapes, ~1.5 s on a 2-core CPU); Transformer.compile picks again for the thread count it compiles with."""
     for m in linears:
         if m.weight.device.type != "cpu":
             continue
@@ -139,6 +139,7 @@ def spans(seconds: dict[tuple[str, int], float]) -> tuple:
 
 
 def product_for(spans: tuple, T) -> str:
+    """The product ``spans`` give a pass of T tokens; past the last span, nn.Linear's."""
     for upto, product in spans:
         if T <= upto:
             return product
@@ -147,7 +148,7 @@ def product_for(spans: tuple, T) -> str:
 
 @torch.inference_mode()
 def time_products(weight: torch.Tensor, weight_t: torch.Tensor | None, rounds: int = 3) -> dict[tuple[str, int], float]:
-    """Seconds per product of each few-token product at each PICK_TOKENS size: the best of ``rounds`` rounds in which
+    """Seconds per call of each few-token product at each PICK_TOKENS size: the best of ``rounds`` rounds in which
     the products take turns, so a slow spell of a noisy machine lands on all of them, not on one."""
     products = [p for p in PRODUCTS if p != "row_copy" or weight_t is not None]
     xs = [torch.randn(1, T, weight.shape[1], dtype=weight.dtype) for T in PICK_TOKENS]

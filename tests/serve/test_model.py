@@ -1,5 +1,6 @@
-"""serve/model.py computes what HF computes: logits and hidden states, in chunks over its cache, for tree passes
-under a tree mask, and after gathering a tree path into consecutive slots."""
+"""serve/model.py computes what HF computes: logits and hidden states, in chunks over its cache (with each of
+serve/linear.py's few-token products), for tree passes under a tree mask, and after gathering a tree path into
+consecutive slots."""
 from __future__ import annotations
 
 import pytest
