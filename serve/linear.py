@@ -27,6 +27,7 @@ FEW_TOKENS = 16  # up to this many tokens a projection runs its picked few-token
 WEIGHT_T_MAX_BYTES = 4 << 30  # the [in, out] copies double weight memory: only for targets a CPU box holds twice
 SWITCH_GAIN = 0.1  # a larger pass size changes product only where another is this much faster (see spans)
 PRODUCTS = ("linear", "transposed", "row_copy")  # x·Wᵀ (nn.Linear's), (W·xᵀ)ᵀ, x·Wt (the [in, out] copy)
+COLD_BYTES = 64 << 20  # what the pick's timing reads per call of a product, in copies of the weight (time_products)
 PICK_TOKENS = (2, 3, 4, 6, 8, 12, 16)  # pass sizes timed (chains of γ = 1-3, small trees); between two, the lower's
 
 
@@ -111,7 +112,7 @@ _picked: dict[tuple, tuple] = {}  # (shape, dtype, threads, has the copy) -> spa
 def pick_products(linears: list[Linear]) -> None:
     """Set each CPU Linear's few-token products to those that ran fastest on this machine for its weight's shape
     at the current thread count, per pass size. Timed once per shape and thread count in a process (SmolLM2-135M:
-    five shapes, ~1.5 s on a 2-core CPU); Transformer.compile picks again for the thread count it compiles with."""
+    five shapes, ~2 s on a 2-core CPU); Transformer.compile picks again for the thread count it compiles with."""
     for m in linears:
         if m.weight.device.type != "cpu":
             continue
@@ -152,16 +153,20 @@ def time_products(weight: torch.Tensor, weight_t: torch.Tensor | None, rounds: i
     the products take turns, so a slow spell of a noisy machine lands on all of them, not on one."""
     products = [p for p in PRODUCTS if p != "row_copy" or weight_t is not None]
     xs = [torch.randn(1, T, weight.shape[1], dtype=weight.dtype) for T in PICK_TOKENS]
-    calls = min(64, max(1, 20_000_000 // weight.numel()))  # small matrices: several calls per reading
+    # Copies enough to leave the caches, read in turn: a pass reads each layer's weights from memory, and a small
+    # matrix timed alone stays cached, which misranked them (2 tokens, SmolLM2's 30 layers cycled on an AMX Xeon:
+    # x·Wᵀ 17.8 ms, x·Wt 22.4; timed cached, each layer's x·Wt was within 20% and won some shapes).
+    copies = [(weight.clone(), None if weight_t is None else weight_t.clone())
+              for _ in range(max(1, COLD_BYTES // weight.nbytes))]
     best = {(p, T): math.inf for p in products for T in PICK_TOKENS}
     for _ in range(rounds):
         for x in xs:
             for p in products:
                 spans_p = ((FEW_TOKENS, p),)
                 t0 = time.perf_counter()
-                for _ in range(calls):
-                    project(x, weight, weight_t, None, spans_p)
-                best[p, x.shape[1]] = min(best[p, x.shape[1]], (time.perf_counter() - t0) / calls)
+                for w, w_t in copies:
+                    project(x, w, w_t, None, spans_p)
+                best[p, x.shape[1]] = min(best[p, x.shape[1]], (time.perf_counter() - t0) / len(copies))
     return best
 
 
