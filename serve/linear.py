@@ -156,8 +156,8 @@ def time_products(weight: torch.Tensor, weight_t: torch.Tensor | None, rounds: i
     # Copies enough to leave the caches, read in turn: a pass reads each layer's weights from memory, and a small
     # matrix timed alone stays cached, which misranked them (2 tokens, SmolLM2's 30 layers cycled on an AMX Xeon:
     # x·Wᵀ 17.8 ms, x·Wt 22.4; timed cached, each layer's x·Wt was within 20% and won some shapes).
-    copies = [(weight.clone(), None if weight_t is None else weight_t.clone())
-              for _ in range(max(1, COLD_BYTES // weight.nbytes))]
+    copies = [(weight, weight_t)] + [(weight.clone(), None if weight_t is None else weight_t.clone())
+                                     for _ in range(COLD_BYTES // weight.nbytes - 1)]  # a large matrix: itself
     best = {(p, T): math.inf for p in products for T in PICK_TOKENS}
     for _ in range(rounds):
         for x in xs:
