@@ -27,7 +27,7 @@ FEW_TOKENS = 16  # up to this many tokens a projection runs its picked few-token
 WEIGHT_T_MAX_BYTES = 4 << 30  # the [in, out] copies double weight memory: only for targets a CPU box holds twice
 SWITCH_GAIN = 0.1  # a larger pass size changes product only where another is this much faster (see spans)
 PRODUCTS = ("linear", "transposed", "row_copy")  # x·Wᵀ (nn.Linear's), (W·xᵀ)ᵀ, x·Wt (the [in, out] copy)
-COLD_BYTES = 64 << 20  # what the pick's timing reads per call of a product, in copies of the weight (time_products)
+COLD_BYTES = 64 << 20  # the most the pick's timing reads per call of a product, in copies of the weight (time_products)
 PICK_TOKENS = (2, 3, 4, 6, 8, 12, 16)  # pass sizes timed (chains of γ = 1-3, small trees); between two, the lower's
 
 
@@ -106,19 +106,22 @@ def add_row_copies(linears: list[Linear]) -> None:
             m.weight_t = m.weight.detach().t().contiguous()
 
 
-_picked: dict[tuple, tuple] = {}  # (shape, dtype, threads, has the copy) -> spans: timed once per process
+_picked: dict[tuple, tuple] = {}  # (shape, dtype, threads, has the copy, bytes read) -> spans: timed once per process
 
 
 def pick_products(linears: list[Linear]) -> None:
     """Set each CPU Linear's few-token products to those that ran fastest on this machine for its weight's shape
     at the current thread count, per pass size. Timed once per shape and thread count in a process (SmolLM2-135M:
-    five shapes, ~2 s on a 2-core CPU); Transformer.compile picks again for the thread count it compiles with."""
-    for m in linears:
-        if m.weight.device.type != "cpu":
-            continue
-        key = (tuple(m.weight.shape), m.weight.dtype, torch.get_num_threads(), m.weight_t is not None)
+    six shapes, ~3 s on a 2-core CPU); Transformer.compile picks again for the thread count it compiles with.
+    The timing reads as much weight as a pass over these linears does, up to COLD_BYTES: a model that fits in the
+    caches (stories260K: 1 MB) is timed in them, as its passes run; timed over 64 MiB of copies, each of its tiny
+    shapes took ~3 s to pick and the test suite ran minutes longer."""
+    cpu = [m for m in linears if m.weight.device.type == "cpu"]
+    read_bytes = min(COLD_BYTES, sum(m.weight.nbytes for m in cpu))
+    for m in cpu:
+        key = (tuple(m.weight.shape), m.weight.dtype, torch.get_num_threads(), m.weight_t is not None, read_bytes)
         if key not in _picked:
-            _picked[key] = spans(time_products(m.weight, m.weight_t))
+            _picked[key] = spans(time_products(m.weight, m.weight_t, read_bytes))
         m.few = _picked[key]
 
 
@@ -148,16 +151,18 @@ def product_for(spans: tuple, T) -> str:
 
 
 @torch.inference_mode()
-def time_products(weight: torch.Tensor, weight_t: torch.Tensor | None, rounds: int = 3) -> dict[tuple[str, int], float]:
-    """Seconds per call of each few-token product at each PICK_TOKENS size: the best of ``rounds`` rounds in which
-    the products take turns, so a slow spell of a noisy machine lands on all of them, not on one."""
+def time_products(weight: torch.Tensor, weight_t: torch.Tensor | None, read_bytes: int = COLD_BYTES,
+                  rounds: int = 3) -> dict[tuple[str, int], float]:
+    """Seconds per call of each few-token product at each PICK_TOKENS size, over copies of the weight totalling
+    ``read_bytes`` (at least the weight itself): the best of ``rounds`` rounds in which the products take turns, so
+    a slow spell of a noisy machine lands on all of them, not on one."""
     products = [p for p in PRODUCTS if p != "row_copy" or weight_t is not None]
     xs = [torch.randn(1, T, weight.shape[1], dtype=weight.dtype) for T in PICK_TOKENS]
     # Copies enough to leave the caches, read in turn: a pass reads each layer's weights from memory, and a small
     # matrix timed alone stays cached, which misranked them (2 tokens, SmolLM2's 30 layers cycled on an AMX Xeon:
     # x·Wᵀ 17.8 ms, x·Wt 22.4; timed cached, each layer's x·Wt was within 20% and won some shapes).
     copies = [(weight, weight_t)] + [(weight.clone(), None if weight_t is None else weight_t.clone())
-                                     for _ in range(COLD_BYTES // weight.nbytes - 1)]  # a large matrix: itself
+                                     for _ in range(read_bytes // weight.nbytes - 1)]  # a large matrix: itself
     best = {(p, T): math.inf for p in products for T in PICK_TOKENS}
     for _ in range(rounds):
         for x in xs:
