@@ -158,9 +158,10 @@ def time_products(weight: torch.Tensor, weight_t: torch.Tensor | None, read_byte
     a slow spell of a noisy machine lands on all of them, not on one."""
     products = [p for p in PRODUCTS if p != "row_copy" or weight_t is not None]
     xs = [torch.randn(1, T, weight.shape[1], dtype=weight.dtype) for T in PICK_TOKENS]
-    # Copies enough to leave the caches, read in turn: a pass reads each layer's weights from memory, and a small
-    # matrix timed alone stays cached, which misranked them (2 tokens, SmolLM2's 30 layers cycled on an AMX Xeon:
-    # x·Wᵀ 17.8 ms, x·Wt 22.4; timed cached, each layer's x·Wt was within 20% and won some shapes).
+    # Copies enough to leave a core's own caches, read in turn: a pass reads each layer's weights from farther out
+    # (the shared L3 or memory), and a small matrix timed alone stays in L1/L2, which misranked them (2 tokens,
+    # SmolLM2's 30 layers cycled on an AMX Xeon: x·Wᵀ 17.8 ms, x·Wt 22.4; timed cached, each layer's x·Wt was within
+    # 20% and won some shapes). That Xeon reports a 480 MiB L3, so 64 MiB of copies still time L3, not memory.
     copies = [(weight, weight_t)] + [(weight.clone(), None if weight_t is None else weight_t.clone())
                                      for _ in range(read_bytes // weight.nbytes - 1)]  # a large matrix: itself
     best = {(p, T): math.inf for p in products for T in PICK_TOKENS}
