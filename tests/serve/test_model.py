@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import serve.linear as serve_linear
 from serve.linear import (FEW_TOKENS, PICK_TOKENS, PRODUCTS, SWITCH_GAIN, Linear, fast_linears, product_for,
                           spans)
 from serve.model import Transformer
@@ -60,6 +61,23 @@ def test_from_hf_picks_a_product_for_every_pass_size(tiny_target):
         assert bounds == sorted(set(bounds)) and bounds[-1] == FEW_TOKENS
         assert {product for _, product in m.few} <= set(PRODUCTS)
         assert product_for(m.few, FEW_TOKENS + 1) == "linear"  # past FEW_TOKENS: nn.Linear's product
+
+
+def test_pick_times_a_small_model_over_no_more_weight_than_it_holds(tiny_target, monkeypatch):
+    """A model smaller than COLD_BYTES is timed over its own projections' bytes (it runs from cache), not over
+    COLD_BYTES of copies: a tiny shape timed over 64 MiB took ~3 s of copies and calls per load."""
+    real, seen = serve_linear.time_products, []
+
+    def recording(weight, weight_t, read_bytes):
+        seen.append(read_bytes)
+        return real(weight, weight_t, read_bytes)
+
+    monkeypatch.setattr(serve_linear, "_picked", {})  # timed afresh, not reused from an earlier test
+    monkeypatch.setattr(serve_linear, "time_products", recording)
+    model = Transformer.from_hf(tiny_target.model)
+    held = sum(m.weight.nbytes for m in model.modules() if isinstance(m, Linear))
+    assert held < serve_linear.COLD_BYTES
+    assert seen and set(seen) == {held}
 
 
 def test_spans_keep_the_fastest_product_per_size_and_ignore_near_ties():
