@@ -234,9 +234,11 @@ def held_out_batches(target, seed=0, B=3, T=40):
     return batches
 
 
-# family -> (std of the target's weights, 0: tiny-random's own; std of the head's perturbation): a head that is
-# right at some anchors of every step and wrong at others
-ALPHA_CASES = {"medusa": (0.05, 0.0), "eagle3": (0.02, 0.0)}
+# family -> (std of the target's weights, 0: tiny-random's own; std of the head's perturbation; how much louder the
+# target makes tokens 0-7): a head that is right at some anchors of every step and wrong at others. EAGLE-3's random
+# layers agree with a target of near-equal logits only on near-ties, which round differently per CPU (hits on the AMX
+# Xeons CI ran on, none in 143 on an AVX512 Xeon without AMX); eight louder tokens give ~20% hits on clear margins.
+ALPHA_CASES = {"medusa": (0.05, 0.0, 1.0), "eagle3": (0.05, 0.0, 4.0)}
 
 
 @pytest.mark.parametrize("family", sorted(ALPHA_CASES))
@@ -250,13 +252,14 @@ def test_greedy_alpha_is_a_count_over_anchors(family):
     from tests.serve.conftest import perturbed_head
     from train.acceptance import measure
 
-    target_std, head_std = ALPHA_CASES[family]
+    target_std, head_std, loud = ALPHA_CASES[family]
     target = load_target("tiny-random")
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         for p in target.model.parameters():
             if target_std and p.dim() == 2:
                 p.normal_(0, target_std, generator=g)
+        target.model.lm_head.weight[:8] *= loud
     torch.manual_seed(0)  # the head's layers that init_from_target leaves random
     head = perturbed_head(family, target, Transformer.from_hf(target.model), std=head_std)
     batches = held_out_batches(target)
