@@ -36,6 +36,7 @@ from train.trainer import build_trainer, resolve_hardware
 if TYPE_CHECKING:  # imported for real inside the functions that use them (see below)
     import lightning as L
 
+    from train.budget import BudgetConfig
     from train.data import DataConfig, DraftDataModule
     from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
     from train.regenerate import RegenConfig
@@ -61,9 +62,12 @@ class Job:
     loss: LossConfig
     optim: OptimConfig
     eval: EvalConfig
+    budget: BudgetConfig
+    started: float  # time.monotonic() when the job began: budget.minutes counts from here
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "Job":
+        from train.budget import BudgetConfig
         from train.data import DataConfig
         from train.module import EvalConfig, LossConfig, OptimConfig
         from train.regenerate import RegenConfig
@@ -78,7 +82,8 @@ class Job:
             raise UserError("optim.name=muon does not run under DeepSpeed (ZeRO hands the optimizer flat shards, not "
                             "matrices); use trainer=ddp or optim.name=adamw")
         return cls(cfg, Path(cfg.out_dir), DataConfig.from_dict(plain(cfg.data)), RegenConfig(**plain(cfg.distill)),
-                   LossConfig(**plain(cfg.head.loss)), OptimConfig(**plain(cfg.optim)), EvalConfig(**plain(cfg.eval)))
+                   LossConfig(**plain(cfg.head.loss)), OptimConfig(**plain(cfg.optim)), EvalConfig(**plain(cfg.eval)),
+                   BudgetConfig(**plain(cfg.get("budget") or {})), time.monotonic())
 
 
 def make_head(cfg: DictConfig, target: Target, state: dict | None = None) -> DraftHead:
@@ -199,6 +204,7 @@ class Fitted:
     module: DraftModule
     trainer: L.Trainer
     keeper: BestHead  # holds the best mid-run check's head
+    fit_ended: float  # time.monotonic() when trainer.fit returned
 
 
 def train(job: Job, target: Target) -> dict:
@@ -245,7 +251,12 @@ def fit(job: Job, target: Target) -> Fitted:
         raise UserError(f"eval.best_by={job.eval.best_by!r}; choose {' or '.join(BEST_BY)}")
     module = DraftModule(head, target, job.loss, job.optim, job.eval)
     keeper = BestHead(job.out / "checkpoints", job.eval.best_by, target.identity(), resume=ckpt_path is not None)
-    trainer = build_trainer(cfg, job.out, [keeper])
+    callbacks = [keeper]
+    if job.budget.minutes is not None:
+        from train.budget import TimeBudget
+
+        callbacks.append(TimeBudget(job.budget, job.started + 60 * job.budget.minutes))
+    trainer = build_trainer(cfg, job.out, callbacks)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
     log.info("trained %d steps in %.0f s (%d trained tokens, %.0f tokens/s in training steps)", trainer.global_step,
@@ -253,7 +264,7 @@ def fit(job: Job, target: Target) -> Fitted:
     from train.strategies import consolidated_head  # lazy: imports Lightning's DeepSpeed strategy
 
     last = consolidated_head(trainer, module.head)  # every rank must call
-    return Fitted(last, init_state, data, module, trainer, keeper)
+    return Fitted(last, init_state, data, module, trainer, keeper, time.monotonic())
 
 
 def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
@@ -292,6 +303,11 @@ def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
         record["training_text_cost"] = data.text_costs
     if data.feature_cache:
         record["feature_cache"] = data.feature_cache
+    if job.budget.minutes is not None:  # how the budget sized the run: each plan's step, s per step, max_steps
+        budget = next(c for c in trainer.callbacks if hasattr(c, "plans"))
+        minute = lambda t: round((t - job.started) / 60, 2)
+        record["budget"] = {"minutes": job.budget.minutes, "plans": budget.plans,
+                            "fit_ended_minute": minute(fitted.fit_ended), "measured_minute": minute(time.monotonic())}
     if chosen == "best":
         save_head(heads["best"], out / "head", target.identity(),
                   extra={"train": {**train_info, "steps": head_step, "last_step": step}})

@@ -76,6 +76,7 @@ class DraftModule(L.LightningModule):
         self.tokens_total = 0  # every rank's trained tokens since step 0, resumes included (checkpointed)
         self.train_seconds = 0.0
         self._step_start: float | None = None
+        self.schedule_total: int | None = None  # the LR schedule's steps; train/budget.py may shorten it mid-run
 
     def _move_target(self) -> None:
         self.target.model.to(self.device)
@@ -161,9 +162,10 @@ class DraftModule(L.LightningModule):
     def configure_optimizers(self):
         o = self.optim_cfg
         opt = build_optimizer(o.name, self.head.named_parameters(), o.lr, o.betas, o.weight_decay)
-        total = int(self.trainer.estimated_stepping_batches)
-        warmup = min(o.warmup_steps, max(1, total // 10))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, o.min_lr_ratio))
+        self.schedule_total = int(self.trainer.estimated_stepping_batches)
+        warmup = min(o.warmup_steps, max(1, self.schedule_total // 10))
+        sched = torch.optim.lr_scheduler.LambdaLR(  # reads schedule_total at every step: a budget may shorten it
+            opt, lambda s: lr_lambda(s, warmup, self.schedule_total, o.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # RNG state travels with the checkpoint (Lightning keeps only model, optimizer, scheduler, loops, data state),
