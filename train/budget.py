@@ -1,8 +1,8 @@
 """A wall-clock budget for the whole job: ``budget.minutes=120`` fits the training steps to the time left.
 
 The stages before training (answering prompts, the feature cache) and the steps themselves run at very different
-speeds on different CPUs: the EAGLE-3 recipe's 3,200 steps took 62 min on an AMX Xeon and ~1.5x that on an
-AVX512-BF16 EPYC. A fixed step count therefore misses a time goal on the slower machine, and Lightning's own
+speeds on different CPUs: the EAGLE-3 recipe's 3,200 steps took 58.6 min on an AMX Xeon, while a Xeon without AMX
+trained 0.40x its tokens/s in bf16 (docs/results/training-and-scaling.md). A fixed step count therefore misses a time goal on the slower machine, and Lightning's own
 ``max_time`` would stop mid-schedule, before the learning rate has decayed, which is where a head gains most. Instead,
 ``TimeBudget`` times the steps as they run (held-out checks and checkpoint writes included) and lowers
 ``max_steps`` to the steps that fit before ``deadline - reserve``; the cosine schedule is sized to the new total, so a
