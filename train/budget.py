@@ -2,14 +2,16 @@
 
 The stages before training (answering prompts, the feature cache) and the steps themselves run at very different
 speeds on different CPUs: the EAGLE-3 recipe's 3,200 steps took 58.6 min on an AMX Xeon, while a Xeon without AMX
-trained 0.40x its tokens/s in bf16 (docs/results/training-and-scaling.md). A fixed step count therefore misses a time goal on the slower machine, and Lightning's own
-``max_time`` would stop mid-schedule, before the learning rate has decayed, which is where a head gains most. Instead,
+trained 0.40x its tokens/s in bf16 (docs/results/training-and-scaling.md). A fixed step count therefore misses a
+time goal on the slower machine, and Lightning's own ``max_time`` would stop mid-schedule, before the learning rate has decayed, which is where a head gains most. Instead,
 ``TimeBudget`` times the steps as they run (held-out checks and checkpoint writes included) and lowers
 ``max_steps`` to the steps that fit before ``deadline - reserve``; the cosine schedule is sized to the new total, so a
-shorter run still ends annealed. The configured ``trainer.max_steps`` stays the ceiling: the budget only shortens.
+shorter run still ends annealed. The configured ``trainer.max_steps`` stays the ceiling: the budget only shortens
+that, though a later plan may give back steps an earlier, slower estimate took away.
 
 The plan is made after a few steps and again after each held-out check, whose cost it then includes. It travels with
-the checkpoint, so ``resume=true`` continues the same schedule (and may shorten it further to the new deadline).
+the checkpoint, so ``resume=true`` continues the same schedule (until a later plan fits it to the resumed job's own
+deadline).
 """
 from __future__ import annotations
 
@@ -51,11 +53,13 @@ class TimeBudget(Callback):
     def __init__(self, cfg: BudgetConfig, deadline: float):
         self.cfg, self.fit_end = cfg, deadline - 60 * cfg.reserve_minutes
         self.planned: int | None = None  # the last plan's max_steps
+        self.ceiling: int | None = None  # the configured trainer.max_steps: no plan goes past it
         self.plans: list[dict] = []  # every plan: step, seconds per step, max_steps (logged, kept in acceptance.json)
         self._t0 = self._step0 = None
 
     def on_train_start(self, trainer, module) -> None:
         self._t0, self._step0 = time.monotonic(), trainer.global_step
+        self.ceiling = trainer.max_steps  # before any plan lowers it
         if self.planned is not None:  # resumed: the checkpoint's plan sizes the schedule from its first step
             self._apply(trainer, module, min(self.planned, trainer.max_steps))
 
@@ -70,10 +74,13 @@ class TimeBudget(Callback):
     def _plan(self, trainer, module) -> None:
         now, step = time.monotonic(), trainer.global_step
         per_step = (now - self._t0) / (step - self._step0)  # wall per step since fit started: checks included
-        last = steps_that_fit(step, per_step, self.fit_end - now, trainer.max_steps)
+        last = steps_that_fit(step, per_step, self.fit_end - now, self.ceiling)
         last = int(trainer.strategy.broadcast(last, src=0))  # every rank stops at rank 0's step
         self.plans.append({"step": step, "seconds_per_step": round(per_step, 4), "max_steps": last})
-        if last < trainer.max_steps:
+        # A plan may also rise again, back towards the ceiling: the first one times the slow first steps and the
+        # first checks, and locking it in left 9 of a 115-minute budget unused (docs/results/training-and-scaling.md).
+        # A later plan's lengthened cosine raises the LR only slightly, and less the later it comes.
+        if last != trainer.max_steps:
             log.info("budget: %.2f s per step, %.0f min left for training: max_steps %d -> %d", per_step,
                      (self.fit_end - now) / 60, trainer.max_steps, last)
             self._apply(trainer, module, last)

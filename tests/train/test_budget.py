@@ -21,6 +21,8 @@ class StepClock:
 
     def __init__(self):
         self.t = 0.0
+        self.slow_steps, self.slow_seconds = 0, 1.0  # the first slow_steps steps take slow_seconds each
+        self.steps = 0
 
     def monotonic(self) -> float:
         return self.t
@@ -35,7 +37,8 @@ def step_clock(monkeypatch):
     original = DraftModule.training_step
 
     def one_second_step(self, batch, batch_idx):
-        clock.t += 1.0
+        clock.steps += 1
+        clock.t += clock.slow_seconds if clock.steps <= clock.slow_steps else 1.0
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(DraftModule, "training_step", one_second_step)
@@ -62,6 +65,19 @@ def test_budget_stops_at_the_steps_that_fit_with_the_schedule_sized_to_them(fast
     lrs = last_lrs(out)
     # sized to 15 steps, the cosine has reached its floor; sized to the configured 40 it would still be ~0.8 * lr
     assert lrs[-1] < 0.2e-3 and max(lrs) == pytest.approx(1e-3, rel=0.05), lrs
+
+
+def test_a_later_plan_gives_back_steps_a_slow_start_took(fast_cfg, tmp_path, step_clock):
+    # 30 s of training; the first 5 steps take 3 s, the rest 1 s. The first plan (step 4: 3 s per step) fits 10
+    # steps; the checks every 4 steps see the steps speed up and plan more, while still ending inside the 30 s.
+    step_clock.slow_steps, step_clock.slow_seconds = 5, 3.0
+    record = run(fast_cfg("head=eagle3", "trainer.max_steps=40", "trainer.val_check_interval=4", "budget.minutes=1",
+                          "budget.reserve_minutes=0.5", "budget.first_plan_step=4", out=tmp_path / "run"))
+    plans = record["budget"]["plans"]
+    assert plans[0] == {"step": 4, "seconds_per_step": 3.0, "max_steps": 10}, plans
+    assert [p["max_steps"] for p in plans] == sorted(p["max_steps"] for p in plans), plans  # rising
+    assert record["train_steps"] == plans[-1]["max_steps"] > 14, plans
+    assert record["budget"]["fit_ended_minute"] <= 0.5
 
 
 def test_no_budget_trains_the_configured_steps(fast_cfg, tmp_path, step_clock):
