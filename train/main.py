@@ -36,7 +36,7 @@ from train.trainer import build_trainer, resolve_hardware
 if TYPE_CHECKING:  # imported for real inside the functions that use them (see below)
     import lightning as L
 
-    from train.budget import BudgetConfig
+    from train.budget import BudgetConfig, TimeBudget
     from train.data import DataConfig, DraftDataModule
     from train.module import DraftModule, EvalConfig, LossConfig, OptimConfig
     from train.regenerate import RegenConfig
@@ -205,6 +205,8 @@ class Fitted:
     trainer: L.Trainer
     keeper: BestHead  # holds the best mid-run check's head
     fit_ended: float  # time.monotonic() when trainer.fit returned
+    budget: TimeBudget | None = None  # with budget.minutes: how it sized the run
+    precision_probe: dict | None = None  # with trainer.precision=bf16-if-faster: the timed steps and the choice
 
 
 def train(job: Job, target: Target) -> dict:
@@ -251,11 +253,22 @@ def fit(job: Job, target: Target) -> Fitted:
         raise UserError(f"eval.best_by={job.eval.best_by!r}; choose {' or '.join(BEST_BY)}")
     module = DraftModule(head, target, job.loss, job.optim, job.eval)
     keeper = BestHead(job.out / "checkpoints", job.eval.best_by, target.identity(), resume=ckpt_path is not None)
+    probe = None
+    if cfg.trainer.precision == "bf16-if-faster":  # a CPU with bf16 units, one process (train/trainer.py)
+        from itertools import islice
+
+        from train.precision import fastest_precision
+
+        batches = list(islice(data.train_dataloader(), 3))  # epoch 0's first batches; training's loader is its own
+        probe = fastest_precision(module, batches, keep_memory=bool(cfg.get("keep_freed_memory")))
+        cfg.trainer.precision = probe["precision"]
     callbacks = [keeper]
+    budget = None
     if job.budget.minutes is not None:
         from train.budget import TimeBudget
 
-        callbacks.append(TimeBudget(job.budget, job.started + 60 * job.budget.minutes))
+        budget = TimeBudget(job.budget, job.started + 60 * job.budget.minutes)
+        callbacks.append(budget)
     trainer = build_trainer(cfg, job.out, callbacks)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
@@ -264,7 +277,7 @@ def fit(job: Job, target: Target) -> Fitted:
     from train.strategies import consolidated_head  # lazy: imports Lightning's DeepSpeed strategy
 
     last = consolidated_head(trainer, module.head)  # every rank must call
-    return Fitted(last, init_state, data, module, trainer, keeper, time.monotonic())
+    return Fitted(last, init_state, data, module, trainer, keeper, time.monotonic(), budget, probe)
 
 
 def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
@@ -303,10 +316,11 @@ def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
         record["training_text_cost"] = data.text_costs
     if data.feature_cache:
         record["feature_cache"] = data.feature_cache
-    if job.budget.minutes is not None:  # how the budget sized the run: each plan's step, s per step, max_steps
-        budget = next(c for c in trainer.callbacks if hasattr(c, "plans"))
+    record["precision"] = {"trainer": str(trainer.precision), **({"probe": fitted.precision_probe}
+                                                                  if fitted.precision_probe else {})}
+    if fitted.budget is not None:  # how the budget sized the run: each plan's step, s per step, max_steps
         minute = lambda t: round((t - job.started) / 60, 2)
-        record["budget"] = {"minutes": job.budget.minutes, "plans": budget.plans,
+        record["budget"] = {"minutes": job.budget.minutes, "plans": fitted.budget.plans,
                             "fit_ended_minute": minute(fitted.fit_ended), "measured_minute": minute(time.monotonic())}
     if chosen == "best":
         save_head(heads["best"], out / "head", target.identity(),

@@ -115,13 +115,17 @@ class DraftModule(L.LightningModule):
         self.log("train/tokens_per_s", self.trained_tokens / max(self.train_seconds, 1e-9), prog_bar=True,
                  batch_size=batch["input_ids"].shape[0])
 
-    def training_step(self, batch, batch_idx):
+    def step_loss(self, batch) -> tuple[torch.Tensor, dict]:
+        """The training loss of one batch and its stats (train/precision.py times this under each precision)."""
         feats = self.features(batch).hidden_as(self.head_dtype())  # a bf16/fp16 target feeds an fp32 head
         if hasattr(self.head, "resample_loss_vocab"):  # EAGLE-1/MTP/Medusa: this step's sampled loss tokens
             self.head.resample_loss_vocab(self.global_step)
         out = self.head(feats)
-        loss, stats = head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
-                                temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k
+        return head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
+                         temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k
+
+    def training_step(self, batch, batch_idx):
+        loss, stats = self.step_loss(batch)
         B = batch["input_ids"].shape[0]
         tokens = batch["loss_mask"].sum()  # counted here, not in on_train_batch_end: checkpoints are written first
         if self.trainer.world_size > 1:  # every rank holds the global count, so rank 0's checkpoint has it

@@ -67,7 +67,8 @@ def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
 
     No trainer override: every visible GPU in bf16-mixed (fp16-mixed where the GPU has no bf16) when CUDA is
     present, fp32 on the CPU otherwise; ``precision: bf16-if-native`` picks bf16-mixed on a CPU with AMX or
-    AVX512-BF16 as well. The target is then loaded straight onto this rank's GPU (LOCAL_RANK, set
+    AVX512-BF16 as well, and ``bf16-if-faster`` stays unresolved there, for ``fit`` to time both
+    (train/precision.py). The target is then loaded straight onto this rank's GPU (LOCAL_RANK, set
     by Lightning's launcher or torchrun) in its dtype: no rank ever holds a full copy of a 7B target in host RAM.
     """
     t = cfg.trainer
@@ -78,12 +79,15 @@ def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
         raise UserError(f"trainer.accelerator={t.accelerator} but torch sees no CUDA device; drop the GPU trainer "
                         "override, or add trainer.accelerator=cpu trainer.precision=32-true")
     on_gpu = t.accelerator in ("gpu", "cuda")
-    if t.precision in ("auto", "bf16-if-native"):
+    if t.precision == "bf16-if-faster" and not on_gpu and cpu_has_bf16_units() and single_process(t):
+        pass  # train/main.py fit times both once the data is ready (train/precision.py)
+    elif t.precision in PRECISION_CHOICES:
         if on_gpu:
             t.precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-        else:  # bf16-if-native: bf16 only with bf16 units (emulated, its matmuls ran 8x slower than fp32:
-            # docs/results/training-and-scaling.md)
-            t.precision = "bf16-mixed" if t.precision == "bf16-if-native" and cpu_has_bf16_units() else "32-true"
+        else:  # bf16 only with bf16 units (emulated, its matmuls ran 8x slower than fp32:
+            # docs/results/training-and-scaling.md); bf16-if-faster in several processes: as bf16-if-native, since
+            # each rank would time its own steps and might choose differently
+            t.precision = "bf16-mixed" if t.precision != "auto" and cpu_has_bf16_units() else "32-true"
     if str(t.precision).startswith("16") and not on_gpu:
         raise UserError(f"trainer.precision={t.precision} needs a CUDA device; use 32-true or bf16-mixed on CPU")
     if str(t.precision).startswith("bf16") and on_gpu and not torch.cuda.is_bf16_supported():
@@ -94,6 +98,15 @@ def resolve_hardware(cfg: DictConfig) -> tuple[str, str]:
                     "slower than trainer.precision=32-true", t.precision)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu"
     return device, resolve_dtype(cfg.target.dtype, device)
+
+
+PRECISION_CHOICES = ("auto", "bf16-if-native", "bf16-if-faster")  # resolved here (and in train/precision.py)
+
+
+def single_process(t: DictConfig) -> bool:
+    """One training process: no several devices, nodes or a multi-process strategy asked for."""
+    return str(t.devices) in ("auto", "1") and int(t.get("num_nodes", 1)) == 1 and \
+        not any(s in str(t.get("strategy")) for s in ("ddp", "deepspeed", "fsdp"))
 
 
 def cpu_has_bf16_units() -> bool:
