@@ -3,10 +3,10 @@
 The stages before training (answering prompts, the feature cache) and the steps themselves run at very different
 speeds on different CPUs: the EAGLE-3 recipe's 3,200 steps took 58.6 min on an AMX Xeon, while a Xeon without AMX
 trained 0.40x its tokens/s in bf16 (docs/results/training-and-scaling.md). A fixed step count therefore misses a
-time goal on the slower machine, and Lightning's own ``max_time`` would stop mid-schedule, before the learning rate has decayed, which is where a head gains most. Instead,
-``TimeBudget`` times the steps as they run (held-out checks and checkpoint writes included) and lowers
-``max_steps`` to the steps that fit before ``deadline - reserve``; the cosine schedule is sized to the new total, so a
-shorter run still ends annealed. The configured ``trainer.max_steps`` stays the ceiling: the budget only shortens
+time goal on the slower machine, and Lightning's own ``max_time`` would stop mid-schedule, before the learning rate
+has decayed, which is where a head gains most. Instead, ``TimeBudget`` times the steps as they run (held-out checks
+and checkpoint writes included) and lowers ``max_steps`` to the steps that fit before ``deadline - reserve``; the
+cosine schedule is sized to the new total, so a shorter run still ends annealed. The configured ``trainer.max_steps`` stays the ceiling: the budget only shortens
 that, though a later plan may give back steps an earlier, slower estimate took away.
 
 The plan is made after a few steps and again after each held-out check, whose cost it then includes. It travels with
