@@ -6,8 +6,9 @@ trained 0.40x its tokens/s in bf16 (docs/results/training-and-scaling.md). A fix
 time goal on the slower machine, and Lightning's own ``max_time`` would stop mid-schedule, before the learning rate
 has decayed, which is where a head gains most. Instead, ``TimeBudget`` times the steps as they run (held-out checks
 and checkpoint writes included) and lowers ``max_steps`` to the steps that fit before ``deadline - reserve``; the
-cosine schedule is sized to the new total, so a shorter run still ends annealed. The configured ``trainer.max_steps`` stays the ceiling: the budget only shortens
-that, though a later plan may give back steps an earlier, slower estimate took away.
+cosine schedule is sized to the new total, so a shorter run still ends annealed. The configured
+``trainer.max_steps`` stays the ceiling: the budget only shortens that, though a later plan may give back steps an
+earlier, slower estimate took away.
 
 The plan is made after a few steps and again after each held-out check, whose cost it then includes. It travels with
 the checkpoint, so ``resume=true`` continues the same schedule (until a later plan fits it to the resumed job's own
