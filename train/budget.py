@@ -78,8 +78,9 @@ class TimeBudget(Callback):
         last = steps_that_fit(step, per_step, self.fit_end - now, self.ceiling)
         last = int(trainer.strategy.broadcast(last, src=0))  # every rank stops at rank 0's step
         self.plans.append({"step": step, "seconds_per_step": round(per_step, 4), "max_steps": last})
-        # A plan may also rise again, back towards the ceiling: the first one times the slow first steps and the
-        # first checks, and locking it in left 9 of a 115-minute budget unused (docs/results/training-and-scaling.md).
+        # A plan may also rise again, back towards the ceiling: the first check's plan charges that check and the
+        # first steps' warm-up to few steps, and locking it in left 9 of a 115-minute budget unused
+        # (docs/results/training-and-scaling.md).
         # A later plan's lengthened cosine raises the LR only slightly, and less the later it comes.
         if last != trainer.max_steps:
             log.info("budget: %.2f s per step, %.0f min left for training: max_steps %d -> %d", per_step,
