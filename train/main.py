@@ -318,6 +318,8 @@ def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
         record["feature_cache"] = data.feature_cache
     record["precision"] = {"trainer": str(trainer.precision), **({"probe": fitted.precision_probe}
                                                                   if fitted.precision_probe else {})}
+    if fitted.module.optim_cfg.name == "muon":
+        record["precision"]["muon_newton_schulz"] = str(fitted.module.newton_schulz_dtype()).removeprefix("torch.")
     if fitted.budget is not None:  # how the budget sized the run: each plan's step, s per step, max_steps
         minute = lambda t: round((t - job.started) / 60, 2)
         record["budget"] = {"minutes": job.budget.minutes, "plans": fitted.budget.plans,

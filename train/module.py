@@ -163,9 +163,14 @@ class DraftModule(L.LightningModule):
         self.log("val/trained_tokens", torch.tensor(float(self.tokens_total), dtype=torch.float64, device=self.device),
                  rank_zero_only=True)
 
+    def newton_schulz_dtype(self) -> torch.dtype:
+        """Muon orthogonalises in the training's dtype: fp32 where training runs in fp32 (train/optimizers.py)."""
+        return torch.float32 if str(self.trainer.precision).startswith(("32", "64")) else torch.bfloat16
+
     def configure_optimizers(self):
         o = self.optim_cfg
-        opt = build_optimizer(o.name, self.head.named_parameters(), o.lr, o.betas, o.weight_decay)
+        opt = build_optimizer(o.name, self.head.named_parameters(), o.lr, o.betas, o.weight_decay,
+                              ns_dtype=self.newton_schulz_dtype())
         self.schedule_total = int(self.trainer.estimated_stepping_batches)
         warmup = min(o.warmup_steps, max(1, self.schedule_total // 10))
         sched = torch.optim.lr_scheduler.LambdaLR(  # reads schedule_total at every step: a budget may shorten it

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from train.optimizers import MuonAdamW, build_optimizer
+from train.optimizers import Muon, MuonAdamW, build_optimizer, newton_schulz
 
 
 class Head(torch.nn.Module):
@@ -41,6 +41,48 @@ def test_each_parameter_gets_the_update_of_its_own_optimizer():
     torch.testing.assert_close(model.lm_head.weight, adamw_ref.lm_head.weight)
     torch.testing.assert_close(model.norm.weight, adamw_ref.norm.weight)
     assert not torch.allclose(model.fc.weight, adamw_ref.fc.weight)  # Muon's step is not AdamW's
+
+
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_newton_schulz_runs_in_the_dtype_asked(shape):
+    """In float32 the iteration matches float64's to float32 rounding; torch's own (bf16) is off by bf16's: an
+    implementation that still rounded through bf16 fails the first assert."""
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    a, b, c = COEFFICIENTS
+    x = g.double().T if shape[0] > shape[1] else g.double()
+    x = x / x.norm()
+    for _ in range(5):  # the quintic iteration written out in float64, as the reference
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    exact = x.T if shape[0] > shape[1] else x
+    error = lambda x: float((x.double() - exact).norm() / exact.norm())
+    assert error(newton_schulz(g, COEFFICIENTS, 5, 1e-7, torch.float32)) < 1e-5
+    assert error(torch.optim._muon._zeropower_via_newtonschulz(g, COEFFICIENTS, 5, 1e-7)) > 1e-3
+    assert error(newton_schulz(g, COEFFICIENTS, 5, 1e-7, torch.bfloat16)) > 1e-3
+
+
+def test_an_fp32_muon_step_is_torchs_step_computed_in_fp32(monkeypatch):
+    """Momentum, Nesterov, decoupled decay and the AdamW-matched lr scale are torch.optim.Muon's, over three steps
+    (the momentum buffer carries): torch's step with its orthogonalisation swapped for the float32 one is ours."""
+    ours, ref, bf16 = Head(), Head(), Head()
+    kwargs = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    opt = Muon([ours.fc.weight], ns_dtype=torch.float32, **kwargs)
+    ref_opt, bf16_opt = torch.optim.Muon([ref.fc.weight], **kwargs), torch.optim.Muon([bf16.fc.weight], **kwargs)
+    fp32_ns = lambda g, coefficients, steps, eps: newton_schulz(g, coefficients, steps, eps, torch.float32)
+    for seed in range(3):
+        for m, o in ((ours, opt), (ref, ref_opt), (bf16, bf16_opt)):
+            o.zero_grad()
+            loss_of(m, seed).backward()
+            with monkeypatch.context() as patch:
+                if o is ref_opt:
+                    patch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", fp32_ns)
+                o.step()
+    torch.testing.assert_close(ours.fc.weight, ref.fc.weight)
+    assert not torch.equal(ours.fc.weight, bf16.fc.weight)  # torch's own step rounds through bf16
+    assert opt.state[ours.fc.weight]["momentum_buffer"].dtype == torch.float32
 
 
 def test_schedule_reaches_both_and_state_round_trips():

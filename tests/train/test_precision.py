@@ -50,6 +50,8 @@ def test_the_faster_precision_trains(fast_cfg, tmp_path, bf16_step_takes, ratio,
     probe = record["precision"]["probe"]
     assert probe["precision"] == chosen and record["precision"]["trainer"] == chosen, record["precision"]
     assert probe["seconds_per_step"] == {"32-true": 1.0, "bf16-mixed": ratio}
+    # Muon orthogonalises in the dtype training computes in (train/optimizers.py)
+    assert record["precision"]["muon_newton_schulz"] == ("bfloat16" if chosen == "bf16-mixed" else "float32")
 
 
 def test_timing_moves_no_weight(fast_cfg, tmp_path, bf16_step_takes):
