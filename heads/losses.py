@@ -27,6 +27,17 @@ def alpha(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor
     return torch.minimum(target_probs, draft_probs).sum(-1)
 
 
+def alpha_of_logits(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float = 0.0,
+                    top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """[N, V] x [N, V] -> [N]: α after the same temperature / top-k / top-p processing of both. At T = 0 both are
+    one-hot argmaxes, so Σ min(p, q) is 1 exactly where the argmaxes agree: compared directly, without two [N, V]
+    one-hots, which were two thirds of a held-out check's time on the 49k-token SmolLM2 vocabulary."""
+    if temperature <= 0:
+        return (target_logits.argmax(-1) == draft_logits.argmax(-1)).float()
+    return alpha(probs_from_logits(target_logits, temperature, top_k, top_p),
+                 probs_from_logits(draft_logits, temperature, top_k, top_p))
+
+
 def scored_logits(out: HeadOutput, mask: torch.Tensor, k: int) -> torch.Tensor:
     """Draft step k's logits [N, V_draft] at the anchors whose predicted token is scored (``shift_pair``'s mask),
     read out only there. Rows in the order of ``target[:, k:][mask[:, k:]]``."""
@@ -127,7 +138,7 @@ def alpha_sums(head, out: HeadOutput, feats: TargetFeatures, temperature=0.0, to
     for k in range(1, len(out.states) + 1):
         mask = feats.loss_mask[:, k:]
         draft, target = head.to_target_vocab(scored_logits(out, feats.loss_mask, k)), feats.scored_target_logits(k)
-        a = alpha(probs_from_logits(target, temperature, top_k, top_p), probs_from_logits(draft, temperature, top_k, top_p))
+        a = alpha_of_logits(target, draft, temperature, top_k, top_p)
         sums.append(a.sum().item())
         counts.append(int(mask.sum()))
     return sums, counts

@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from heads.base import DraftHead
-from heads.losses import alpha, scored_logits, tau_predicted
-from heads.sampling import probs_from_logits
+from heads.losses import alpha_of_logits, scored_logits, tau_predicted
 from heads.target import Target
 
 
@@ -45,8 +44,7 @@ def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int,
         mask = feats.loss_mask[:, k:]
         draft = head.to_target_vocab(scored_logits(out, feats.loss_mask, k))  # [N, V], scored anchors only
         target = feats.scored_target_logits(k)
-        a = alpha(probs_from_logits(target, temperature, top_k, top_p),
-                  probs_from_logits(draft, temperature, top_k, top_p))
+        a = alpha_of_logits(target, draft, temperature, top_k, top_p)
         step = grid[:, :T - k, k - 1]  # a view: anchor t, step k predicts the token after t + k
         step[mask.cpu()] = a.double().cpu()
         if hits is not None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from heads.base import DraftHead, HeadOutput
-from heads.losses import alpha, alpha_sums, tau_predicted
+from heads.losses import alpha, alpha_of_logits, alpha_sums, tau_predicted
 from heads.sampling import probs_from_logits
 
 
@@ -51,6 +51,20 @@ def test_alpha_matches_brute_force(temperature, top_k, top_p):
         got = alpha(probs_from_logits(target_logits, temperature, top_k, top_p),
                     probs_from_logits(draft_logits, temperature, top_k, top_p))
         assert got.item() == pytest.approx(brute_accept_probability(p, q), abs=1e-5)
+        direct = alpha_of_logits(target_logits[None], draft_logits[None], temperature, top_k, top_p)
+        assert direct.item() == pytest.approx(brute_accept_probability(p, q), abs=1e-5)
+
+
+def test_greedy_alpha_of_logits_with_ties_and_a_reduced_draft_vocabulary():
+    """T = 0 compares argmaxes directly: the same 0/1 as the one-hots' Σ min(p, q), ties going to the first index
+    (integer logits tie often) and a draft scattered into the target vocabulary (-inf outside it) included."""
+    g = torch.Generator().manual_seed(2)
+    target = torch.randint(0, 3, (500, 7), generator=g).float()
+    draft = torch.randint(0, 3, (500, 7), generator=g).float()
+    draft[:, [1, 4]] = float("-inf")
+    one_hots = alpha(probs_from_logits(target, 0.0), probs_from_logits(draft, 0.0))
+    assert torch.equal(alpha_of_logits(target, draft, 0.0), one_hots)
+    assert 0 < one_hots.sum() < len(one_hots)  # both outcomes occur
 
 
 def test_tau_matches_enumeration():
