@@ -44,6 +44,15 @@ def most_frequent_tokens(token_counts: torch.Tensor, k: int, vocab_size: int) ->
     return torch.topk(token_counts.double() - torch.arange(vocab_size) * 1e-9, k).indices.sort().values
 
 
+def linear_rows(linear: nn.Linear, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(h)``, or only the outputs ``rows`` (ids of the weight's rows): a vocabulary projection computing just
+    the tokens a loss reads (8k of SmolLM2's 49k columns cost a sixth of the full lm_head)."""
+    if rows is None:
+        return linear(h)
+    b = linear.bias
+    return F.linear(h, linear.weight.index_select(0, rows), None if b is None else b[rows])
+
+
 def scatter_to_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Logits [..., len(ids)] over target ids ``ids`` -> [..., vocab_size], -inf at every other id."""
     return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy(-1, ids, logits)
@@ -118,10 +127,7 @@ class FrequentTokenLoss:
 
     def vocab_linear(self, linear: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         """``linear(h)`` for a vocabulary projection; in training, only the loss vocabulary's rows are computed."""
-        if not self.reduced_loss_vocab():
-            return linear(h)
-        b = linear.bias
-        return F.linear(h, linear.weight.index_select(0, self.loss_vocab), None if b is None else b[self.loss_vocab])
+        return linear_rows(linear, h, self.loss_vocab if self.reduced_loss_vocab() else None)
 
     def target_lm_head(self, h: torch.Tensor) -> torch.Tensor:
         lm_head = self.frozen("lm_head")  # in the lm_head's dtype, as DraftHead's
@@ -158,6 +164,8 @@ class TargetFeatures:
     # positions loss_mask holds, in its boolean-index order (the feature cache's path builds no dense tensor)
     loss_mask: torch.Tensor  # [B, T] bool: position t's *next* token x_{t+1} is trained/evaluated on
     attention_mask: torch.Tensor | None = None  # [B, T] 1 for real tokens (right padding only)
+    logit_columns: torch.Tensor | None = None  # target ids of target_logits' columns where only those were computed
+    # (training steps that log no α: the loss reads the draft vocabulary alone); None: all V
 
     def scored_target_logits(self, k: int = 0) -> torch.Tensor:
         """[N_k, V]: the target's logits at the positions t >= k that loss_mask holds, in the row order of

@@ -79,22 +79,27 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
     Only scored rows are ever built: the draft's logits (``scored_logits``) and the target's soft labels, the
     latter once for all steps (step k reads position s's target for s >= k, the same rows every step).
     α here equals ``alpha_sums``' (q is zero outside a reduced draft vocabulary, so Σ_x min(p, q) only needs p on
-    the draft columns and the target's full normaliser).
+    the draft columns and the target's full normaliser). Features whose target logits hold only the draft columns
+    (``feats.logit_columns``) give the loss alone: α needs the full vocabulary's argmax or normaliser.
     """
     total = 0.0
     stats: dict[str, torch.Tensor] = {}
     mask = feats.loss_mask
-    V = feats.target_logits.shape[-1]
+    V = head.dims.vocab_size
     cols = head.from_target_vocab(torch.arange(V, device=feats.target_logits.device))  # [V_draft] target ids
+    with_alpha = feats.logit_columns is None
+    if not with_alpha and not torch.equal(feats.logit_columns, cols):
+        raise ValueError("the target's logits were computed for other columns than the head's draft vocabulary; "
+                         "compute them with columns=head.from_target_vocab(arange(V)) or for all columns")
     position = mask.nonzero()[:, 1]  # [N] position of each scored row, in boolean-indexing order
-    scored = feats.scored_target_logits().float()  # [N, V]
+    scored = feats.scored_target_logits().float()  # [N, V], or [N, V_draft] (logit_columns)
     with torch.no_grad():
         # A reduced draft vocabulary learns the target's distribution restricted (renormalised) to that vocabulary.
-        target_draft = scored if cols.numel() == V else scored.index_select(-1, cols)  # [N, V_draft]
+        target_draft = scored if scored.shape[-1] == cols.numel() else scored.index_select(-1, cols)  # [N, V_draft]
         target_probs = target_draft.softmax(-1)
-        if temperature > 0:  # p on the draft columns over the full-vocab normaliser
+        if with_alpha and temperature > 0:  # p on the draft columns over the full-vocab normaliser
             alpha_probs = (target_draft / temperature - (scored / temperature).logsumexp(-1, keepdim=True)).exp()
-        else:
+        elif with_alpha:
             best = scored.argmax(-1)  # [N]
     for k in range(1, len(out.states) + 1):
         rows = position >= k  # [N] the scored positions step k predicts (anchor = position - k >= 0)
@@ -104,13 +109,14 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
         draft = scored_logits(out, mask, k)  # [count, V_draft]
         step_loss = distill_loss(draft, target_probs[rows], kind).mean()
         total = total + step_decay ** (k - 1) * step_loss
-        with torch.no_grad():
-            if temperature > 0:
-                a = alpha(alpha_probs[rows], (draft.detach().float() / temperature).softmax(-1))
-            else:
-                a = (cols[draft.argmax(-1)] == best[rows]).float()
         stats[f"loss@{k}"] = step_loss.detach()
-        stats[f"alpha@{k}"] = a.mean()
+        if with_alpha:
+            with torch.no_grad():
+                if temperature > 0:
+                    a = alpha(alpha_probs[rows], (draft.detach().float() / temperature).softmax(-1))
+                else:
+                    a = (cols[draft.argmax(-1)] == best[rows]).float()
+            stats[f"alpha@{k}"] = a.mean()
         stats[f"count@{k}"] = count
     for name, value in out.aux.items():
         total = total + value

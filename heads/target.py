@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.base import TargetDims, TargetFeatures
+from heads.base import TargetDims, TargetFeatures, linear_rows
 from heads.chat import CHATML, apply_chat_format
 
 log = logging.getLogger(__name__)
@@ -223,13 +223,14 @@ class Target:
         return {k: out.hidden_states[k] for k in sorted(set(layers) | {self.dims.num_layers})}
 
     @torch.no_grad()
-    def features(self, input_ids, loss_mask=None, attention_mask=None, layers=()) -> TargetFeatures:
-        """One no-grad forward: the hidden states ``layers`` asks for, the final-norm output and fp32 logits."""
+    def features(self, input_ids, loss_mask=None, attention_mask=None, layers=(), columns=None) -> TargetFeatures:
+        """One no-grad forward: the hidden states ``layers`` asks for, the final-norm output and fp32 logits (only
+        the target ids ``columns`` where given: ``TargetFeatures.logit_columns``)."""
         hidden = self.hidden_states(input_ids, attention_mask, layers)
-        logits = self.model.lm_head(hidden[self.dims.num_layers]).float()
+        logits = linear_rows(self.model.lm_head, hidden[self.dims.num_layers], columns).float()
         if loss_mask is None:
             loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        return TargetFeatures(input_ids, hidden, logits, loss_mask.bool(), attention_mask)
+        return TargetFeatures(input_ids, hidden, logits, loss_mask.bool(), attention_mask, columns)
 
 
 def check_dtype(dtype: str, device: str) -> torch.dtype:

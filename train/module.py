@@ -16,7 +16,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from heads.base import DraftHead, TargetFeatures
+from heads.base import DraftHead, TargetFeatures, linear_rows
 from heads.losses import LOSS_KINDS, head_loss
 from heads.target import Target
 from train import UserError
@@ -87,7 +87,8 @@ class DraftModule(L.LightningModule):
     def on_validation_start(self) -> None:
         self._move_target()
 
-    def features(self, batch: dict[str, torch.Tensor]) -> TargetFeatures:
+    def features(self, batch: dict[str, torch.Tensor], columns: torch.Tensor | None = None) -> TargetFeatures:
+        """The target's features of ``batch``, its logits only for the target ids ``columns`` where given."""
         attn = batch["attention_mask"]
         L = self.target.dims.num_layers
         if f"hidden.{L}" in batch:  # features cached by the DataModule: only the lm_head runs here
@@ -96,10 +97,17 @@ class DraftModule(L.LightningModule):
             mask = batch["loss_mask"]
             with torch.no_grad():  # logits only where a loss or α reads them (prompts are often half the tokens),
                 # packed [N, V]: a dense [B, T, 49k] fp32 buffer was 800 MB to zero, scatter into and gather back
-                logits = self.target.lm_head(hidden[L][mask]).float()
-            return TargetFeatures(batch["input_ids"], hidden, logits, mask, attn)
+                logits = linear_rows(self.target.lm_head, hidden[L][mask], columns).float()
+            return TargetFeatures(batch["input_ids"], hidden, logits, mask, attn, columns)
         attn = None if bool(attn.all()) else attn  # no padding: let attention take its fast causal path
-        return self.target.features(batch["input_ids"], batch["loss_mask"], attn, layers=self.head.feature_layers)
+        return self.target.features(batch["input_ids"], batch["loss_mask"], attn, layers=self.head.feature_layers,
+                                    columns=columns)
+
+    def loss_columns(self) -> torch.Tensor | None:
+        """The target ids the loss reads this step (a reduced draft or loss vocabulary), None where it reads all."""
+        V = self.target.dims.vocab_size
+        cols = self.head.from_target_vocab(torch.arange(V, device=self.target.lm_head.weight.device))
+        return None if cols.numel() == V else cols
 
     def head_dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
@@ -115,17 +123,21 @@ class DraftModule(L.LightningModule):
         self.log("train/tokens_per_s", self.trained_tokens / max(self.train_seconds, 1e-9), prog_bar=True,
                  batch_size=batch["input_ids"].shape[0])
 
-    def step_loss(self, batch) -> tuple[torch.Tensor, dict]:
-        """The training loss of one batch and its stats (train/precision.py times this under each precision)."""
-        feats = self.features(batch).hidden_as(self.head_dtype())  # a bf16/fp16 target feeds an fp32 head
+    def step_loss(self, batch, with_alpha: bool = True) -> tuple[torch.Tensor, dict]:
+        """The training loss of one batch and its stats (train/precision.py times this under each precision).
+        Without α the target's lm_head computes only the columns the loss reads: EAGLE-3's 8k of SmolLM2's 49k were
+        ~12% of a recipe step (α needs the full vocabulary's argmax or normaliser)."""
         if hasattr(self.head, "resample_loss_vocab"):  # EAGLE-1/MTP/Medusa: this step's sampled loss tokens
             self.head.resample_loss_vocab(self.global_step)
+        columns = None if with_alpha else self.loss_columns()
+        feats = self.features(batch, columns).hidden_as(self.head_dtype())  # a bf16/fp16 target feeds an fp32 head
         out = self.head(feats)
         return head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
                          temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k
 
     def training_step(self, batch, batch_idx):
-        loss, stats = self.step_loss(batch)
+        # train/alpha@k only on the steps whose metrics reach the logger (Lightning writes every log_every_n_steps)
+        loss, stats = self.step_loss(batch, with_alpha=(self.global_step + 1) % self.trainer.log_every_n_steps == 0)
         B = batch["input_ids"].shape[0]
         tokens = batch["loss_mask"].sum()  # counted here, not in on_train_batch_end: checkpoints are written first
         if self.trainer.world_size > 1:  # every rank holds the global count, so rank 0's checkpoint has it

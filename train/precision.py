@@ -26,7 +26,7 @@ def time_step(module, batch: dict, dtype: torch.dtype | None) -> float:
     as Lightning's bf16-mixed runs it: the forward autocast, the backward outside."""
     t0 = time.perf_counter()
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        loss, _ = module.step_loss(batch)
+        loss, _ = module.step_loss(batch, with_alpha=False)  # as most training steps run (train/module.py)
     loss.backward()
     seconds = time.perf_counter() - t0
     module.head.zero_grad(set_to_none=True)

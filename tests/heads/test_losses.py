@@ -218,6 +218,50 @@ def test_packed_target_logits_score_as_dense(name, tiny_target):
     torch.testing.assert_close(grid, ref[4])
 
 
+@pytest.mark.parametrize("name", ["eagle3", "mtp"])
+def test_draft_column_target_logits_give_the_same_loss_without_alpha(name, tiny_target):
+    """Training steps that log no α compute the target's logits only at the loss's columns (EAGLE-3's draft
+    vocabulary, MTP's frequent + sampled tokens): the loss and gradients must be those of the full-vocabulary
+    logits, α is left out (it needs the full vocabulary), and logits for other columns are refused."""
+    from heads import build_head
+    from heads.losses import head_loss
+
+    V = tiny_target.dims.vocab_size
+    if name == "eagle3":
+        head = random_head("eagle3", tiny_target)
+    else:
+        head = build_head("mtp", tiny_target.dims, num_steps=3, loss_vocab_size=V // 4, loss_vocab_sampled=V // 8)
+        head.attach_target(tiny_target)
+        head.set_vocab_map(torch.rand(V, generator=torch.Generator().manual_seed(3)))
+        head.resample_loss_vocab(5)
+    head.train()
+    cols = head.from_target_vocab(torch.arange(V))
+    assert cols.numel() < V
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, V, (3, 30), generator=g)
+    mask = torch.rand(3, 30, generator=g) > 0.4
+    full = tiny_target.features(ids, mask, layers=head.feature_layers)
+    narrow = tiny_target.features(ids, mask, layers=head.feature_layers, columns=cols)
+    assert narrow.target_logits.shape[-1] == cols.numel()
+
+    def run(feats):
+        head.zero_grad()
+        loss, stats = head_loss(head, head(feats), feats, step_decay=0.8)
+        loss.backward()
+        return loss.detach(), stats, [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    (loss, stats, grads), (ref, ref_stats, ref_grads) = run(narrow), run(full)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert "alpha@1" in ref_stats and not any(k.startswith("alpha@") for k in stats)
+    assert {k: v for k, v in stats.items() if k.startswith(("loss@", "count@"))}.keys() == \
+        {k for k in ref_stats if k.startswith(("loss@", "count@"))}
+    other = tiny_target.features(ids, mask, layers=head.feature_layers, columns=cols.flip(0))
+    with pytest.raises(ValueError, match="other columns than the head's draft vocabulary"):
+        head_loss(head, head(other), other)
+
+
 @pytest.mark.parametrize("family", ["eagle", "mtp", "medusa"])
 def test_loss_vocab_trains_on_frequent_tokens_and_drafts_all(tiny_target, family):
     """loss_vocab_size (EAGLE-1, MTP, Medusa): in training, the loss is the full-vocabulary head's soft CE restricted

@@ -48,6 +48,25 @@ def test_muon_trains_a_head_under_lightning(fast_cfg, tmp_path):
     assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
 
 
+@pytest.mark.parametrize("cache", ["true", "false"])
+def test_training_alpha_on_logged_steps_only_and_the_loss_unchanged(cache, fast_cfg, tmp_path):
+    """train/alpha@k is computed on the steps Lightning logs; the steps between compute the target's logits only at
+    the draft vocabulary's columns. The logged losses must be those of a run computing α every step."""
+    common = ("head=eagle3", "head.hparams.draft_vocab_size=100", "logger=csv", "trainer.max_steps=9", "seed=3",
+              f"data.cache_features={cache}")
+    train(fast_cfg(*common, out=tmp_path / "every"))  # log_every_n_steps=1: full-vocabulary logits every step
+    train(fast_cfg(*common, "trainer.log_every_n_steps=3", out=tmp_path / "third"))
+    every = {int(r["step"]): r for r in csv.DictReader(open(next((tmp_path / "every").glob("csv/*/metrics.csv"))))
+             if r.get("train/loss")}
+    third = [r for r in csv.DictReader(open(next((tmp_path / "third").glob("csv/*/metrics.csv"))))
+             if r.get("train/loss")]
+    assert sorted(every) == list(range(9)) and [int(r["step"]) for r in third] == [2, 5, 8]
+    for r in third:
+        ref = every[int(r["step"])]
+        assert float(r["train/loss"]) == pytest.approx(float(ref["train/loss"]), rel=1e-4)
+        assert float(r["train/alpha@1"]) == pytest.approx(float(ref["train/alpha@1"]), abs=1e-6)
+
+
 def test_outputs_and_acceptance_json(fast_cfg, tmp_path):
     out = tmp_path / "run"
     record = train(fast_cfg("head=eagle3", "head.hparams.num_steps=3", "logger=wandb", "eval.extra_temperatures=[1.0]",
