@@ -42,9 +42,10 @@ class BudgetConfig:
 
 def steps_that_fit(step: int, seconds_per_step: float, seconds_left: float, ceiling: int) -> int:
     """The last step the run can reach: ``step`` plus the steps that fit in ``seconds_left``, at least one more
-    (a plan never ends a run before it has stepped), at most ``ceiling``."""
+    (a plan never ends a run before it has stepped), and never past ``ceiling`` (a check at the last configured
+    step once planned one step beyond it)."""
     more = int(seconds_left // max(seconds_per_step, 1e-9))
-    return max(step + 1, min(ceiling, step + more))
+    return min(ceiling, max(step + 1, step + more))
 
 
 class TimeBudget(Callback):

@@ -125,8 +125,8 @@ class DraftModule(L.LightningModule):
 
     def step_loss(self, batch, with_alpha: bool = True) -> tuple[torch.Tensor, dict]:
         """The training loss of one batch and its stats (train/precision.py times this under each precision).
-        Without α the target's lm_head computes only the columns the loss reads: EAGLE-3's 8k of SmolLM2's 49k were
-        ~12% of a recipe step (α needs the full vocabulary's argmax or normaliser)."""
+        Without α the target's lm_head computes only the columns the loss reads (α needs the full vocabulary's
+        argmax or normaliser): EAGLE-3's 8k of SmolLM2's 49k gave the recipe 1.10x the trained tokens/s."""
         if hasattr(self.head, "resample_loss_vocab"):  # EAGLE-1/MTP/Medusa: this step's sampled loss tokens
             self.head.resample_loss_vocab(self.global_step)
         columns = None if with_alpha else self.loss_columns()

@@ -94,6 +94,7 @@ def test_a_budget_with_no_time_to_train_is_refused(fast_cfg, tmp_path):
     (30, 2.0, 100.0, 1000, 80),   # 50 more fit
     (30, 2.0, 100.0, 60, 60),     # the configured steps are the ceiling
     (30, 2.0, -5.0, 1000, 31),    # already over: one more step, never fewer than taken
+    (60, 2.0, 100.0, 60, 60),     # a check at the ceiling's step: done, not one step past it
 ])
 def test_steps_that_fit(step, per_step, left, ceiling, last):
     assert steps_that_fit(step, per_step, left, ceiling) == last
