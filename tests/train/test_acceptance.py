@@ -85,3 +85,36 @@ def test_alpha_per_category_adds_up(fast_cfg, tmp_path):
     weighted = sum(alpha[c][0] * tokens[c] for c in alpha) / record["num_tokens"]
     assert weighted == pytest.approx(record["alpha"][0])
     assert record["text_by_temperature"]["0.0"] == "dataset text of 8 held-out records"
+
+
+@pytest.mark.parametrize("name", ["eagle3", "medusa"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
+def test_grid_on_draft_columns_equals_alpha_over_the_target_vocabulary(name, temperature, top_k, top_p,
+                                                                       tiny_target):
+    """acceptance_grid reads the draft's logits on its own (reduced) vocabulary; alpha_sums scatters them to the
+    target's and compares there. Per step the sums agree, and a greedy rank's hits are target-vocabulary top-k's."""
+    from heads.base import HeadOutput
+    from heads.losses import alpha_sums, scored_logits
+    from train.acceptance import RANKS, acceptance_grid
+
+    from tests.heads.test_losses import CopyHead, random_head
+
+    head = random_head(name, tiny_target)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tiny_target.dims.vocab_size, (3, 40), generator=g)
+    feats = tiny_target.features(ids, torch.rand(3, 40, generator=g) > 0.3, layers=head.feature_layers)
+    if name == "eagle3":  # a draft vocabulary holding most of the target's greedy tokens, so that some are accepted
+        greedy = feats.target_logits.argmax(-1).flatten()
+        head.set_vocab_map(torch.bincount(greedy, minlength=tiny_target.dims.vocab_size).float())
+    # the target's own logits for each step, noised, on the draft's columns: accepted at some anchors, not all
+    copied = CopyHead(tiny_target.dims, num_steps=3)(feats).logits
+    out = HeadOutput([head.from_target_vocab(x + torch.randn(x.shape, generator=g) * x.std()) for x in copied])
+    hits = torch.zeros((3, RANKS), dtype=torch.float64)
+    grid = acceptance_grid(head, out, feats, temperature, top_k, top_p, hits)
+    sums, counts = alpha_sums(head, out, feats, temperature, top_k, top_p)
+    for k in (1, 2, 3):
+        assert grid[:, :, k - 1].sum().item() == pytest.approx(sums[k - 1], abs=1e-4)
+        full = head.to_target_vocab(scored_logits(out, feats.loss_mask, k))
+        best = feats.scored_target_logits(k).argmax(-1, keepdim=True)
+        assert hits[k - 1].tolist() == (full.topk(RANKS, -1).indices == best).sum(0).double().tolist()
+    assert 0 < sum(sums) < sum(counts)  # neither all accepted nor none: the comparison is not vacuous
