@@ -39,6 +39,8 @@ def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int,
     rank-r token, from the same logits: a greedy tree's rank-r child is kept exactly then, where tree.rank_accept
     otherwise guesses α_d (1 − α_d)^r, which over-predicted a weak head's 8-node tree τ by a third
     (docs/results/serving-and-adaptive.md)."""
+    if feats.logit_columns is not None:
+        raise ValueError("α needs the target's logits over its whole vocabulary; compute the features without columns=")
     B, T = feats.loss_mask.shape
     grid = torch.zeros((B, T, len(out.states)), dtype=torch.float64)
     # Draft logits stay on the draft vocabulary: q is zero outside it, so α only needs p on its columns, and an
