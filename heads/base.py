@@ -259,6 +259,10 @@ class DraftHead(nn.Module):
         """Target-vocab logits [..., V] -> the draft vocabulary's columns [..., V_draft]."""
         return logits
 
+    def draft_token_ids(self, device=None) -> torch.Tensor:
+        """[V_draft] the target id of each draft-vocabulary column (every id for a full-vocabulary head)."""
+        return self.from_target_vocab(torch.arange(self.dims.vocab_size, device=device))
+
     @property
     def max_draft_steps(self) -> int | None:
         """Deepest chain the head can draft (None: unbounded, it feeds its own output back)."""

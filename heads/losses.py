@@ -86,12 +86,11 @@ def head_loss(head, out: HeadOutput, feats: TargetFeatures, kind: str = "soft_ce
     total = 0.0
     stats: dict[str, torch.Tensor] = {}
     mask = feats.loss_mask
-    V = head.dims.vocab_size
-    cols = head.from_target_vocab(torch.arange(V, device=feats.target_logits.device))  # [V_draft] target ids
+    cols = head.draft_token_ids(feats.target_logits.device)  # [V_draft] target ids
     with_alpha = feats.logit_columns is None
     if not with_alpha and not torch.equal(feats.logit_columns, cols):
         raise ValueError("the target's logits were computed for other columns than the head's draft vocabulary; "
-                         "compute them with columns=head.from_target_vocab(arange(V)) or for all columns")
+                         "compute them with columns=head.draft_token_ids() or for all columns")
     position = mask.nonzero()[:, 1]  # [N] position of each scored row, in boolean-indexing order
     scored = feats.scored_target_logits().float()  # [N, V], or [N, V_draft] (logit_columns)
     with torch.no_grad():

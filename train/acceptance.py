@@ -40,13 +40,13 @@ def acceptance_grid(head: DraftHead, out, feats, temperature: float, top_k: int,
     otherwise guesses α_d (1 − α_d)^r, which over-predicted a weak head's 8-node tree τ by a third
     (docs/results/serving-and-adaptive.md)."""
     if feats.logit_columns is not None:
-        raise ValueError("α needs the target's logits over its whole vocabulary; compute the features without columns=")
+        raise ValueError("α needs the target's logits over its whole vocabulary; compute features without columns=")
     B, T = feats.loss_mask.shape
     grid = torch.zeros((B, T, len(out.states)), dtype=torch.float64)
     # Draft logits stay on the draft vocabulary: q is zero outside it, so α only needs p on its columns, and an
     # argmax or top-k there read through ``cols`` is the target-vocabulary one. Scattering [N, 49k] -inf rows per
     # step was ~40% of a held-out check. The target's rows are processed once: step k's are a subset.
-    cols = head.from_target_vocab(torch.arange(head.dims.vocab_size, device=feats.loss_mask.device))  # target ids
+    cols = head.draft_token_ids(feats.loss_mask.device)  # [V_draft] target ids
     position = feats.loss_mask.nonzero()[:, 1]  # [N] each scored row's position, in scored_logits' row order
     scored = feats.scored_target_logits()  # [N, V]
     best = scored.argmax(-1) if temperature <= 0 or hits is not None else None

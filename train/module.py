@@ -106,7 +106,7 @@ class DraftModule(L.LightningModule):
     def loss_columns(self) -> torch.Tensor | None:
         """The target ids the loss reads this step (a reduced draft or loss vocabulary), None where it reads all."""
         V = self.target.dims.vocab_size
-        cols = self.head.from_target_vocab(torch.arange(V, device=self.target.lm_head.weight.device))
+        cols = self.head.draft_token_ids(self.target.lm_head.weight.device)
         return None if cols.numel() == V else cols
 
     def head_dtype(self) -> torch.dtype:

@@ -119,6 +119,6 @@ def test_grid_on_draft_columns_equals_alpha_over_the_target_vocabulary(name, tem
         assert hits[k - 1].tolist() == (full.topk(RANKS, -1).indices == best).sum(0).double().tolist()
     assert 0 < sum(sums) < sum(counts)  # neither all accepted nor none: the comparison is not vacuous
     draft_columns = tiny_target.features(ids, feats.loss_mask, layers=head.feature_layers,
-                                         columns=head.from_target_vocab(torch.arange(tiny_target.dims.vocab_size)))
+                                         columns=head.draft_token_ids())
     with pytest.raises(ValueError, match="whole vocabulary"):  # an argmax over the draft columns is not the target's
         acceptance_grid(head, out, draft_columns, temperature, top_k, top_p)
