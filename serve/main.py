@@ -3,8 +3,9 @@
     python serve/main.py target=smollm2-135m head_path=DIR prompts=FILE temperature=T max_new_tokens=N gamma=G \
         hydra.run.dir=OUT
 
-No head_path: vanilla decoding through the same loop. Writes OUT/generations.jsonl (one line per prompt:
-question_id, prompt_ids, token_ids, text) and OUT/bench.json (tokens/s, τ measured, acceptance per position,
+No head_path: vanilla decoding through the same loop. Writes OUT/generations.jsonl (one line per answered turn:
+question_id, turn, prompt_ids, token_ids, text; a Spec-Bench record's later turns are asked after each answer, as
+Spec-Bench and train/'s held-out answers ask them, unless turns=first) and OUT/bench.json (tokens/s, τ measured, acceptance per position,
 target passes, the settings, and with gamma=auto the choice and the α/cost inputs it came from). gamma=auto may
 choose γ = 0 (plain decoding, the head unused) when no setting predicts a speedup; gamma=adaptive re-chooses γ
 (with tree=static|dynamic: the tree among auto's candidates, chains and plain decoding included) every round from
@@ -28,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from heads.errors import UserError
 from heads.target import load_target, shared_dir
 from serve import auto, calibrate
-from serve.prompts import check_unseen, load_prompts, stop_ids
+from serve.prompts import check_unseen, load_prompts, measured_prompts, next_turn, stop_ids
 from serve.adaptive import Adaptive
 from serve.generate import Decoder, Sampling, Stats, generate
 from serve.loading import load_draft_head, resolve_device
@@ -115,7 +116,9 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
     if cfg.head_path:
         head, head_dir = load_draft_head(cfg.head_path, target, model, dtype)
     prompts = load_prompts(cfg.prompts, target.tokenizer, cfg.chat_template, cfg.per_category, cfg.limit,
-                           cfg.get("split"))
+                           cfg.get("split"), cfg.get("turns", "all"))
+    if cfg.get("alpha_prompts"):
+        prompts = measured_prompts(prompts, cfg.alpha_prompts, cfg.get("split"))
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     setting, choice, adaptive = drafting(cfg, head, head_dir, model, sampling)
     if choice is not None:  # a prediction from acceptance.json: say whether these prompts are the text it came from
@@ -141,17 +144,22 @@ def serve(cfg: DictConfig, out_dir: str | Path) -> dict:
         for p in prompts[:2]:
             generate(dec, torch.tensor(p["prompt_ids"], device=device), min(16, cfg.max_new_tokens), stops)
     total, rounds = Stats(), defaultdict(int)  # rounds per adaptive setting
+    every_stop = stop_ids(target.tokenizer, target.model.config)  # what ends an answer fed back as a turn
     with open(out / "generations.jsonl", "w") as f:
         for i, p in enumerate(tqdm(prompts, desc="prompts", disable=not cfg.progress)):
             dec.generator.manual_seed(cfg.seed + i)
-            prompt = torch.tensor(p["prompt_ids"], device=device)
-            tokens, stats = generate(dec, prompt, cfg.max_new_tokens, stops)
-            total.merge(stats)
-            for index in dec.trace:
-                rounds[index] += 1
-            f.write(json.dumps({"question_id": p["question_id"], "category": p["category"],
-                                "prompt_ids": p["prompt_ids"], "token_ids": tokens,
-                                "text": target.tokenizer.decode(tokens, skip_special_tokens=True)}) + "\n")
+            messages, prompt_ids = p["messages"], p["prompt_ids"]
+            for turn in range(1 + len(p["followups"])):
+                if turn:  # a later turn: the conversation so far, this answer included, rendered again
+                    messages, prompt_ids = next_turn(messages, tokens, p["followups"][turn - 1], target.tokenizer,
+                                                     every_stop)
+                tokens, stats = generate(dec, torch.tensor(prompt_ids, device=device), cfg.max_new_tokens, stops)
+                total.merge(stats)
+                for index in dec.trace:
+                    rounds[index] += 1
+                f.write(json.dumps({"question_id": p["question_id"], "category": p["category"], "turn": turn + 1,
+                                    "prompt_ids": prompt_ids, "token_ids": tokens,
+                                    "text": target.tokenizer.decode(tokens, skip_special_tokens=True)}) + "\n")
     bench = {
         **total.summary(),
         "settings": {

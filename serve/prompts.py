@@ -46,12 +46,17 @@ def _messages(rec: dict, where: str) -> tuple[list[dict] | None, str | None]:
     raise UserError(f"{where}: no 'turns', 'messages' or 'prompt' field (keys: {sorted(rec)})")
 
 
-def load_prompts(path, tokenizer, chat_template=True, per_category=None, limit=None, split=None) -> list[dict]:
-    """Spec-Bench ({"question_id", "category", "turns"}: first turn), {"messages": [...]} or {"prompt": "..."}.
+def load_prompts(path, tokenizer, chat_template=True, per_category=None, limit=None, split=None,
+                 turns: str = "first") -> list[dict]:
+    """Spec-Bench ({"question_id", "category", "turns"}), {"messages": [...]} or {"prompt": "..."}.
 
-    -> [{"question_id", "category", "prompt_ids", "key", "split"}]. ``split``: only that half (validation | test,
-    assigned on the whole file by its raw categories, as train/ assigns it), then ``per_category`` per task.
+    -> [{"question_id", "category", "prompt_ids", "key", "split", "messages", "followups"}]. ``split``: only that
+    half (validation | test, assigned on the whole file by its raw categories, as train/ assigns it), then
+    ``per_category`` per task. ``turns="all"``: a Spec-Bench record's later turns become ``followups``, asked after
+    each answer (``next_turn``), as Spec-Bench's own runs and train/'s held-out answers ask them.
     """
+    if turns not in ("first", "all"):
+        raise UserError(f"turns={turns!r}; choose first or all")
     path = Path(path)
     if not path.exists():
         raise UserError(f"prompts={path}: no such file")
@@ -80,8 +85,10 @@ def load_prompts(path, tokenizer, chat_template=True, per_category=None, limit=N
             ids = tokenizer(raw).input_ids
         category = rec.get("category", "")
         task = "mt_bench" if "turns" in rec and category not in SPEC_BENCH_TASKS else category
+        later = rec["turns"][1:] if turns == "all" and "turns" in rec and raw is None else []
         records.append({"question_id": rec.get("question_id", rec.get("id", i)), "category": task,
-                        "prompt_ids": ids, "key": key, "split": half})
+                        "prompt_ids": ids, "key": key, "split": half, "messages": messages,
+                        "followups": [str(t) for t in later]})
     if per_category:
         seen: dict[str, int] = defaultdict(int)
         kept = []
@@ -94,6 +101,34 @@ def load_prompts(path, tokenizer, chat_template=True, per_category=None, limit=N
     if not records:
         raise UserError(f"prompts={path}: no prompts" + (f" in the {split} split" if split else ""))
     return records
+
+
+def next_turn(messages: list[dict], answer: list[int], followup: str, tokenizer, stops) -> tuple[list[dict], list]:
+    """The conversation after ``answer`` (token ids, its stop token dropped) and the next user turn, and its prompt
+    ids: the answer goes back as text and the whole conversation is rendered again, as train/distill.py does for
+    the held-out answers, so a multi-turn record's later prompts are the text its α was measured on."""
+    text = tokenizer.decode(answer[:-1] if answer and answer[-1] in stops else answer, skip_special_tokens=True)
+    messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": followup}]
+    rendered = chat.render(tokenizer, messages, add_generation_prompt=True)
+    return messages, tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+def measured_prompts(prompts: list[dict], acceptance_path, split: str | None) -> list[dict]:
+    """The prompts an acceptance.json's α was measured on in ``split`` (test when None), in file order: decoding
+    them all turns, T = 0, gives the τ that its ``tau_predicted`` (test) or validation prediction walks."""
+    path = Path(acceptance_path)
+    if not path.exists():
+        raise UserError(f"alpha_prompts={path}: no such file; give the acceptance.json of a train/ run")
+    keys = json.loads(path.read_text()).get("heldout_prompt_keys")
+    if keys is None:
+        raise UserError(f"alpha_prompts={path} lists no held-out prompts (written before the validation/test split);"
+                        " re-measure it with train/main.py mode=eval")
+    wanted = set(keys.get(split or "test", []))
+    kept = [p for p in prompts if p["key"] in wanted]
+    if len(kept) < len(wanted):
+        raise UserError(f"alpha_prompts={path}: {len(wanted) - len(kept)} of its {len(wanted)} {split or 'test'} "
+                        "prompts are not in prompts=; give the file its α was measured on")
+    return kept
 
 
 def check_unseen(prompts: list[dict], acceptance_path: Path | None) -> str:

@@ -35,7 +35,7 @@ def read(out):
     return gens, json.loads((out / "bench.json").read_text())
 
 
-def test_cli_writes_files_and_matches_vanilla(files, tmp_path):
+def test_cli_writes_files_and_matches_vanilla(files, tmp_path, tiny_target):
     runs = {}
     for name, extra in (("vanilla", []), ("eagle", [f"head_path={files / 'eagle'}", "gamma=2"])):
         cmd = [sys.executable, "serve/main.py", "target=tiny-random", f"prompts={files / 'prompts.jsonl'}",
@@ -43,7 +43,10 @@ def test_cli_writes_files_and_matches_vanilla(files, tmp_path):
         subprocess.run(cmd, cwd=ROOT, check=True, timeout=300, capture_output=True)
         runs[name] = read(tmp_path / name)
     (van, van_bench), (spec, spec_bench) = runs["vanilla"], runs["eagle"]
-    assert [g["question_id"] for g in van] == [1, "story", 7]
+    assert [(g["question_id"], g["turn"]) for g in van] == [(1, 1), ("story", 1), (7, 1), (7, 2)]
+    first, second = (tiny_target.tokenizer.decode(g["prompt_ids"]) for g in van[2:])
+    # Spec-Bench's second turn is asked after the target's own first answer, in one conversation
+    assert second.startswith(first) and van[2]["text"] in second and "And the sea?" in second[len(first):]
     for g in van + spec:
         assert set(g) >= {"question_id", "prompt_ids", "token_ids", "text"} and len(g["token_ids"]) <= 12
     assert [g["token_ids"] for g in spec] == [g["token_ids"] for g in van]  # greedy: the target's own tokens
@@ -62,7 +65,12 @@ def test_prompt_formats(files, tiny_target):
     assert prompts[1]["prompt_ids"] == tok("Once upon a time").input_ids  # raw text, no template
     assert "Why is the sky blue?" in tok.decode(prompts[2]["prompt_ids"]) and "sea" not in tok.decode(
         prompts[2]["prompt_ids"])  # Spec-Bench: first turn only
-    assert prompts[2]["category"] == "qa"
+    assert prompts[2]["category"] == "qa" and prompts[2]["followups"] == []
+    asked = load_prompts(files / "prompts.jsonl", tok, turns="all")
+    assert [p["followups"] for p in asked] == [[], [], ["And the sea?"]]  # only Spec-Bench records have later turns
+    assert [p["prompt_ids"] for p in asked] == [p["prompt_ids"] for p in prompts]
+    with pytest.raises(UserError, match="turns='both'"):
+        load_prompts(files / "prompts.jsonl", tok, turns="both")
 
 
 def test_gamma_auto_records_choice(files, tmp_path):
@@ -108,7 +116,7 @@ def test_static_tree_sampling_runs(files, tmp_path):
     bench = serve(cfg(f"head_path={files / 'medusa'}", f"prompts={files / 'prompts.jsonl'}", "gamma=3",
                       "tree=static", "temperature=1.0", "top_p=0.9"), tmp_path)
     assert bench["settings"]["tree"] == "static" and bench["target_passes"] > 0
-    assert 0 < bench["new_tokens"] <= 30  # 3 prompts x 10 tokens; an EOS may stop one early
+    assert 0 < bench["new_tokens"] <= 40  # 4 turns (Spec-Bench's two) x 10 tokens; an EOS may stop one early
     # the counts a round leaves: depth i + 1 is reached exactly when depth i was kept, and τ is what they add up to
     reached, kept = bench["reached_per_position"], bench["accepted_per_position"]
     assert reached[0] == bench["target_passes"] and reached[1:] == kept[:-1] and kept[0] > 0, bench
