@@ -42,6 +42,7 @@ class Record:
     category: str | None = None  # e.g. Spec-Bench's "category": α is also reported per category
     split: str | None = None  # held-out records: "validation" (tuned on) or "test" (reported; heads/splits.py)
     features: dict | None = None  # target hidden states k -> [T, H] kept from generation (never saved)
+    asked_key: str | None = None  # key() of the question a generated answer came from (answers keep their prompt's)
 
     @property
     def needs_answer(self) -> bool:
@@ -51,6 +52,8 @@ class Record:
 
     def key(self) -> str:
         """Content hash of the *prompt*, so a held-out prompt is recognised in training data whatever its answer."""
+        if self.asked_key is not None:
+            return self.asked_key
         if self.messages is not None:  # the first non-assistant turn, as serve/ keys its prompts
             first = [m["content"] for m in self.messages if m["role"] != "assistant"][:1]
             if first:

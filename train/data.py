@@ -77,6 +77,7 @@ class Example:
     hidden: dict[int, torch.Tensor] | None = None  # cached target features k -> [T, H] (cache_features)
     category: str | None = None  # the record's category (Spec-Bench), for α per category
     split: str | None = None  # held-out examples: "validation" or "test" (heads/splits.py)
+    key: str | None = None  # held-out examples: the prompt's heads.splits key (acceptance.json's heldout_prompt_keys)
 
 
 def _mask_from_trained(trained: list[bool]) -> torch.Tensor:
@@ -120,6 +121,7 @@ def ids_example(prompt_ids: list[int], token_ids: list[int], max_len: int) -> Ex
 def tokenize(record: Record, tokenizer, max_len: int) -> Example:
     ex = _tokenize(record, tokenizer, max_len)
     ex.category, ex.split = record.category, record.split
+    ex.key = record.key() if record.split is not None else None
     return ex
 
 
@@ -262,7 +264,7 @@ class DraftDataModule(L.LightningDataModule):
                                        c.max_eval_records, self.seed)
         if self.mode == "eval":
             train = []
-        self.heldout_keys = {split: [r.key() for r in heldout if r.split == split] for split in SPLITS}
+        self.heldout_keys = {split: [r.key() for r in heldout if r.split == split] for split in SPLITS}  # narrowed below
         self.train_examples = self._examples("train", train, c.distill, layers)
         if c.reference_files and self.mode == "train":  # the same held-out exclusion as train_files
             reference = reference_records(c.reference_files, heldout, c.max_reference_records, self.seed)
@@ -279,6 +281,8 @@ class DraftDataModule(L.LightningDataModule):
                 parts.append(f"dataset text of {len(heldout) - answered} held-out records")
             self.eval_text[t] = "; ".join(parts)
         main = next(iter(self.eval_sets.values()), [])
+        if main:  # the prompts α is measured on: one whose prompt fills data.max_len has no answer token, no α
+            self.heldout_keys = {split: [ex.key for ex in main if ex.split == split] for split in SPLITS}
         self.eval_examples = [ex for ex in main if ex.split == "validation"]
         if self.mode == "train" and not self.train_examples:
             raise UserError("no training data; set data.train_files")

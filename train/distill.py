@@ -208,6 +208,7 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
         return todo
     copies = 1 if split != "train" else cfg.samples_per_prompt
     pending = [copy.deepcopy(todo[i]) for i in sorted(pending_idx) for _ in range(copies)]
+    asked = [r.key() for r in pending]  # before answering: an answered record is its token ids, not its question
     key_src = json.dumps({"version": 2, "target": target.identity(), "cfg": cfg.__dict__, "copies": copies,
                           "prompts": [[r.messages, r.followups, r.prompt] for r in pending]}, sort_keys=True)
     path = cache_dir() / "data" / f"{target.name.replace('/', '_')}-{split}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}.jsonl"
@@ -233,6 +234,6 @@ def answer(records: list[Record], target: Target, cfg: DistillConfig, force: boo
         cost_file.write_text(json.dumps(cost))
     if costs is not None:
         costs.append(cost)
-    for r, src in zip(answered, pending):  # the cache file keeps only the text
-        r.category, r.split = src.category, src.split
+    for r, src, key in zip(answered, pending, asked):  # the cache file keeps only the text
+        r.category, r.split, r.asked_key = src.category, src.split, key
     return [r for i, r in enumerate(todo) if i not in pending_idx] + answered

@@ -66,3 +66,26 @@ def test_head_is_chosen_on_validation_and_reported_on_test(fast_cfg, tmp_path, m
     keys = saved["heldout_prompt_keys"]
     assert keys["validation"] and keys["test"] and not set(keys["validation"]) & set(keys["test"])
     assert saved["test"]["num_tokens"] != saved["num_tokens"]  # other text, not the validation figures copied
+
+
+def test_heldout_keys_list_the_prompts_alpha_was_measured_on(fast_cfg, write_chat, tmp_path, tiny_target):
+    """A held-out prompt that fills data.max_len leaves no answer token to measure, so acceptance.json does not list
+    it; the target's own answers keep their prompt's key; serve/'s alpha_prompts= picks exactly the listed ones."""
+    from heads.splits import prompt_key
+    from serve.prompts import load_prompts, measured_prompts
+
+    heldout = tmp_path / "heldout.jsonl"
+    rows = [json.loads(line) for line in write_chat(tmp_path / "chat.jsonl", n=8, seed=5).read_text().splitlines()]
+    rows[3]["messages"][0]["content"] = "Tell me everything. " * 200  # a test-split prompt past max_len=64
+    heldout.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    asked = [prompt_key(r["messages"][0]["content"]) for r in rows]
+    for respond in ("auto", "target"):  # the file's answers, then the target's own (self-distilled, cached)
+        out = tmp_path / respond
+        run_train(fast_cfg("head=medusa", "trainer.max_steps=2", "data.max_len=64", f"data.respond={respond}",
+                           "data.distill.max_new_tokens=8", f"data.eval_files=[{heldout}]", out=out))
+        keys = json.loads((out / "acceptance.json").read_text())["heldout_prompt_keys"]
+        assert keys == {"validation": asked[0::2], "test": [asked[1], asked[5], asked[7]]}
+    served = measured_prompts(load_prompts(heldout, tiny_target.tokenizer), out / "acceptance.json", "test")
+    assert [p["key"] for p in served] == keys["test"]
+    with pytest.raises(Exception, match="1 of its 3 test prompts are not in prompts="):
+        measured_prompts(load_prompts(heldout, tiny_target.tokenizer, limit=6), out / "acceptance.json", "test")
