@@ -5,12 +5,12 @@
 
 No head_path: vanilla decoding through the same loop. Writes OUT/generations.jsonl (one line per answered turn:
 question_id, turn, prompt_ids, token_ids, text; a Spec-Bench record's later turns are asked after each answer, as
-Spec-Bench and train/'s held-out answers ask them, unless turns=first) and OUT/bench.json (tokens/s, τ measured, acceptance per position,
-target passes, the settings, and with gamma=auto the choice and the α/cost inputs it came from). gamma=auto may
-choose γ = 0 (plain decoding, the head unused) when no setting predicts a speedup; gamma=adaptive re-chooses γ
-(with tree=static|dynamic: the tree among auto's candidates, chains and plain decoding included) every round from
-the acceptance the request sees (serve/adaptive.py). ``serve(cfg)``
-is a plain function; ``main`` turns bad input into one line on stderr.
+Spec-Bench and train/'s held-out answers ask them, unless turns=first) and OUT/bench.json (tokens/s, τ measured,
+acceptance per position, target passes, the settings, and with gamma=auto the choice and the α/cost inputs it came
+from). gamma=auto may choose γ = 0 (plain decoding, the head unused) when no setting predicts a speedup;
+gamma=adaptive re-chooses γ (with tree=static|dynamic: the tree among auto's candidates, chains and plain decoding
+included) every round from the acceptance the request sees (serve/adaptive.py). ``serve(cfg)`` is a plain function;
+``main`` turns bad input into one line on stderr.
 """
 from __future__ import annotations
 

@@ -264,7 +264,8 @@ class DraftDataModule(L.LightningDataModule):
                                        c.max_eval_records, self.seed)
         if self.mode == "eval":
             train = []
-        self.heldout_keys = {split: [r.key() for r in heldout if r.split == split] for split in SPLITS}  # narrowed below
+        # every held-out prompt's key, narrowed below to those with answer tokens once they are tokenised
+        self.heldout_keys = {split: [r.key() for r in heldout if r.split == split] for split in SPLITS}
         self.train_examples = self._examples("train", train, c.distill, layers)
         if c.reference_files and self.mode == "train":  # the same held-out exclusion as train_files
             reference = reference_records(c.reference_files, heldout, c.max_reference_records, self.seed)
