@@ -55,5 +55,11 @@ def test_predicted_tau_is_the_runners(stories_target, tmp_path):
         assert len(answers) == 2 * len(OPENINGS) and 1.15 < measured < 3.7  # drafts something right, something wrong
         if t == "0.0":  # the same greedy text: the walk's expected rounds are the runner's passes, to the pass
             assert text_tokens / predicted == pytest.approx(bench["target_passes"], abs=0.5)
+            # scripts/tau_on_generations.py walks serve/'s own text: the same α and rounds as mode=eval's answers
+            run("scripts/tau_on_generations.py", str(tmp_path / ("serve" + t)))
+            check = json.loads((tmp_path / ("serve" + t) / "tau_check.json").read_text())
+            assert check["alpha"] == pytest.approx(record["alpha_by_temperature"][t], abs=1e-12)
+            assert check["tokens"] == text_tokens and check["tau_measured"] == measured
+            assert check["tokens"] / check["tau_predicted"] == pytest.approx(bench["target_passes"], abs=0.5)
         else:  # different samples: ~1 % apart with ~2,400 tokens each side
             assert predicted == pytest.approx(measured, rel=0.05)
