@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from heads.checkpoint import load_head  # noqa: E402
 from heads.target import load_target  # noqa: E402
-from train.acceptance import Tally, acceptance_grid  # noqa: E402
+from train.acceptance import measure  # noqa: E402
+from train.data import ids_example  # noqa: E402
 
 
 @torch.no_grad()
@@ -36,19 +37,17 @@ def walk(run: Path, target_path: str | None = None) -> dict:
     target = load_target(s["target"], target_path)
     head, _ = load_head(s["head_path"])
     head.attach_target(target)
-    head.eval()
-    layers = sorted(head.feature_layers)
-    tally = Tally(head.num_steps)
     lines = (run / "generations.jsonl").read_text().splitlines()
-    for line in tqdm(lines, desc="answers"):
-        g = json.loads(line)
-        prompt, answer = g["prompt_ids"], g["token_ids"]
-        ids = torch.tensor([prompt + answer])
-        mask = torch.zeros(ids.shape, dtype=torch.bool)
-        mask[0, len(prompt) - 1:len(prompt) + len(answer) - 1] = True  # anchors whose next token is the answer's
-        feats = target.features(ids, mask, layers=layers)
-        grid = acceptance_grid(head, head(feats), feats, s["temperature"], s["top_k"], s["top_p"])
-        tally.add(grid, mask)
+
+    def batches():  # one answered turn at a time, whole: no max_len cut, no padding
+        for line in tqdm(lines, desc="answers"):
+            g = json.loads(line)
+            ex = ids_example(g["prompt_ids"], g["token_ids"], len(g["prompt_ids"]) + len(g["token_ids"]))
+            yield {"input_ids": ex.input_ids[None], "loss_mask": ex.loss_mask[None],
+                   "attention_mask": torch.ones_like(ex.input_ids)[None]}
+
+    tally = measure({"head": head}, target, batches(), [s["temperature"]], s["top_k"], s["top_p"],
+                    raw=True)["head"][s["temperature"]]
     summary = tally.summary()
     gamma = min(int(s["gamma"]), head.num_steps)
     return {"run": str(run), "head_path": s["head_path"], "temperature": s["temperature"], "gamma": gamma,
