@@ -264,8 +264,6 @@ class DraftDataModule(L.LightningDataModule):
                                        c.max_eval_records, self.seed)
         if self.mode == "eval":
             train = []
-        # every held-out prompt's key, narrowed below to those with answer tokens once they are tokenised
-        self.heldout_keys = {split: [r.key() for r in heldout if r.split == split] for split in SPLITS}
         self.train_examples = self._examples("train", train, c.distill, layers)
         if c.reference_files and self.mode == "train":  # the same held-out exclusion as train_files
             reference = reference_records(c.reference_files, heldout, c.max_reference_records, self.seed)
@@ -282,8 +280,8 @@ class DraftDataModule(L.LightningDataModule):
                 parts.append(f"dataset text of {len(heldout) - answered} held-out records")
             self.eval_text[t] = "; ".join(parts)
         main = next(iter(self.eval_sets.values()), [])
-        if main:  # the prompts α is measured on: one whose prompt fills data.max_len has no answer token, no α
-            self.heldout_keys = {split: [ex.key for ex in main if ex.split == split] for split in SPLITS}
+        # the prompts α is measured on: one whose prompt fills data.max_len has no answer token, no α
+        self.heldout_keys = {split: [ex.key for ex in main if ex.split == split] for split in SPLITS}
         self.eval_examples = [ex for ex in main if ex.split == "validation"]
         if self.mode == "train" and not self.train_examples:
             raise UserError("no training data; set data.train_files")
