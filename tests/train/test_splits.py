@@ -83,8 +83,10 @@ def test_heldout_keys_list_the_prompts_alpha_was_measured_on(fast_cfg, write_cha
         out = tmp_path / respond
         run_train(fast_cfg("head=medusa", "trainer.max_steps=2", "data.max_len=64", f"data.respond={respond}",
                            "data.distill.max_new_tokens=8", f"data.eval_files=[{heldout}]", out=out))
-        keys = json.loads((out / "acceptance.json").read_text())["heldout_prompt_keys"]
+        written = json.loads((out / "acceptance.json").read_text())
+        keys = written["heldout_prompt_keys"]
         assert keys == {"validation": asked[0::2], "test": [asked[1], asked[5], asked[7]]}
+        assert written["text_by_temperature"]["0.0"].endswith("α on the 7 with answer tokens inside data.max_len=64")
     served = measured_prompts(load_prompts(heldout, tiny_target.tokenizer), out / "acceptance.json", "test")
     assert [p["key"] for p in served] == keys["test"]
     with pytest.raises(Exception, match="1 of its 3 test prompts are not in prompts="):
