@@ -278,7 +278,7 @@ class DraftDataModule(L.LightningDataModule):
             parts = [f"the target's {how} to {answered} held-out prompts"] if answered else []
             if len(heldout) > answered:
                 parts.append(f"dataset text of {len(heldout) - answered} held-out records")
-            if len(self.eval_sets[t]) < len(heldout):  # a prompt that fills data.max_len has no answer token to measure
+            if len(self.eval_sets[t]) < len(heldout):
                 parts.append(f"α on the {len(self.eval_sets[t])} with answer tokens inside data.max_len={c.max_len}")
             self.eval_text[t] = "; ".join(parts)
         main = next(iter(self.eval_sets.values()), [])
