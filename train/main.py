@@ -322,8 +322,15 @@ def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
         record["precision"]["muon_newton_schulz"] = str(fitted.module.newton_schulz_dtype()).removeprefix("torch.")
     if fitted.budget is not None:  # how the budget sized the run: each plan's step, s per step, max_steps
         minute = lambda t: round((t - job.started) / 60, 2)
+        unused = max(0.0, (fitted.budget.fit_end - fitted.fit_ended) / 60)
         record["budget"] = {"minutes": job.budget.minutes, "plans": fitted.budget.plans,
-                            "fit_ended_minute": minute(fitted.fit_ended), "measured_minute": minute(time.monotonic())}
+                            "fit_ended_minute": minute(fitted.fit_ended), "measured_minute": minute(time.monotonic()),
+                            "unused_minutes": round(unused, 2)}
+        if step >= (fitted.budget.ceiling or 0) and unused >= 0.1 * job.budget.minutes:  # the ceiling ended it
+            # On a fast CPU the window can hold more data: twice the reference records raised test τ(γ=3) by 0.07
+            # where 26 of 115 min went unused (docs/results/levers.md, study 5)
+            log.info("budget: training reached trainer.max_steps=%d with %.1f of %g min unused; more training data "
+                     "(data.max_reference_records) can use it", step, unused, job.budget.minutes)
     if chosen == "best":
         save_head(heads["best"], out / "head", target.identity(),
                   extra={"train": {**train_info, "steps": head_step, "last_step": step}})

@@ -80,6 +80,18 @@ def test_a_later_plan_gives_back_steps_a_slow_start_took(fast_cfg, tmp_path, ste
     assert record["budget"]["fit_ended_minute"] <= 0.5
 
 
+def test_a_ceiling_reached_early_reports_the_unused_window(fast_cfg, tmp_path, step_clock, caplog):
+    # 30 s to train, 10 configured one-second steps: the ceiling ends training with 20 s (a third) of it unused
+    with caplog.at_level("INFO", logger="train"):
+        record = run(fast_cfg("head=eagle3", "trainer.max_steps=10", "trainer.val_check_interval=5",
+                              "budget.minutes=1", "budget.reserve_minutes=0.5", "budget.first_plan_step=4",
+                              out=tmp_path / "run"))
+    assert record["train_steps"] == 10
+    assert record["budget"]["unused_minutes"] == pytest.approx(20 / 60, abs=0.01)
+    assert any("reached trainer.max_steps=10 with 0.3 of 1 min unused; more training data" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
+
+
 def test_no_budget_trains_the_configured_steps(fast_cfg, tmp_path, step_clock):
     record = run(fast_cfg("head=medusa", "trainer.max_steps=12", out=tmp_path / "run"))
     assert record["train_steps"] == 12 and "budget" not in record
