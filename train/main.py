@@ -326,7 +326,8 @@ def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
         record["budget"] = {"minutes": job.budget.minutes, "plans": fitted.budget.plans,
                             "fit_ended_minute": minute(fitted.fit_ended), "measured_minute": minute(time.monotonic()),
                             "unused_minutes": round(unused, 2)}
-        if step >= (fitted.budget.ceiling or 0) and unused >= 0.1 * job.budget.minutes:  # the ceiling ended it
+        ceiling = fitted.budget.ceiling  # None where fit never started (a resumed run already at its last step)
+        if ceiling is not None and step >= ceiling and unused >= 0.1 * job.budget.minutes:  # the ceiling ended it
             # On a fast CPU the window can hold more data: twice the reference records raised test τ(γ=3) by 0.07
             # where 26 of 115 min went unused (docs/results/levers.md, study 5)
             log.info("budget: training reached trainer.max_steps=%d with %.1f of %g min unused; more training data "
