@@ -13,6 +13,9 @@ train on the result (``data.train_files=[OUT/t0/shard-*.jsonl]``):
 - ``OUT/key.json`` names what the answers depend on (target identity, prompts, sampling settings, shard size); a
   directory holding answers for anything else is refused rather than mixed. ``manifest.json`` is written once every
   shard exists: records, tokens, shards.
+- A larger or smaller slice of the same prompts (another ``max_records``) gets its own directory, but its shards are
+  prefixes of one seeded shuffle, with per-shard seeds: every full shard another slice already answered under the same
+  settings is hard-linked from there instead of answered again (``donor_dirs`` checks the slice's prompt hash).
 """
 from __future__ import annotations
 
@@ -69,6 +72,12 @@ def rank_world(cfg: RegenConfig) -> tuple[int, int]:
 
 def select(cfg: RegenConfig) -> list[Record]:
     """The prompts to answer, in the seeded order that defines the shards."""
+    records = shuffled(cfg)
+    return records[:cfg.max_records] if cfg.max_records else records
+
+
+def shuffled(cfg: RegenConfig) -> list[Record]:
+    """Every prompt in the seeded order; a slice of any size is a prefix of it, so slices share their first shards."""
     if not cfg.files:
         raise UserError("mode=distill needs prompts: set distill.files=[FILE_OR_GLOB, ...]")
     records = read_sources(cfg.files)
@@ -78,11 +87,15 @@ def select(cfg: RegenConfig) -> list[Record]:
     if not records:
         raise UserError(f"no prompts to answer in {list(cfg.files)}: records need a user turn, 'turns' or 'prompt'")
     random.Random(cfg.seed).shuffle(records)
-    return records[:cfg.max_records] if cfg.max_records else records
+    return records
+
+
+def prompts_hash(records: list[Record]) -> str:
+    return hashlib.sha256(json.dumps([[r.messages, r.followups, r.prompt] for r in records]).encode()).hexdigest()
 
 
 def dataset_key(cfg: RegenConfig, target: Target, records: list[Record]) -> dict:
-    prompts = hashlib.sha256(json.dumps([[r.messages, r.followups, r.prompt] for r in records]).encode()).hexdigest()
+    prompts = prompts_hash(records)
     return {"version": 1, "target": target.identity(), "prompts_sha256": prompts, "records": len(records),
             "temperatures": [float(t) for t in cfg.temperatures], "top_p": cfg.top_p, "seed": cfg.seed,
             "max_new_tokens": cfg.max_new_tokens, "max_prompt_len": cfg.max_prompt_len, "shard_size": cfg.shard_size,
@@ -180,13 +193,15 @@ def regenerate(cfg: RegenConfig, target: Target) -> dict:
 
 
 def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> dict:
-    records = select(cfg)
+    everything = shuffled(cfg)
+    records = everything[:cfg.max_records] if cfg.max_records else everything
     key = dataset_key(cfg, target, records)
     out = open_keyed_dir(cfg.out_dir, "distill", target, key, "distill.out_dir")
     rank, world = rank_world(cfg)
     S = cfg.shard_size
     shards = [list(range(s, min(s + S, len(records)))) for s in range(0, len(records), S)]
     mine = [s for s in range(len(shards)) if s % world == rank]
+    donors = donor_dirs(target, key, everything, out)
     summary = {"out_dir": str(out), "records": len(records), "engine": cfg.engine, "datasets": {}}
     engine = None  # started at the first shard that needs answering: finished datasets load no vLLM
     for t in cfg.temperatures:
@@ -194,8 +209,11 @@ def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> d
         folder = out / name
         folder.mkdir(exist_ok=True)
         todo = [s for s in mine if shard_rows(folder / f"shard-{s:05d}.jsonl", len(shards[s])) is None]
-        log.info("distill %s: %d prompts in %d shards, rank %d of %d answers %d (%d already done) into %s",
-                 name, len(records), len(shards), rank, world, len(mine), len(mine) - len(todo), folder)
+        copied = [s for s in todo if len(shards[s]) == S and copy_from_donor(donors, name, s, folder, S)]
+        todo = [s for s in todo if s not in copied]
+        log.info("distill %s: %d prompts in %d shards, rank %d of %d answers %d (%d already done, %d of them copied "
+                 "from another slice of the same prompts) into %s", name, len(records), len(shards), rank, world,
+                 len(mine), len(mine) - len(todo), len(copied), folder)
         if todo and engine is None and cfg.engine == "vllm":
             from train.vllm_answers import VllmAnswers
 
@@ -214,6 +232,7 @@ def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> d
         bar.close()
         elapsed = time.perf_counter() - t0
         summary["datasets"][name] = {"files": str(folder / "shard-*.jsonl"), "generated_tokens_this_run": generated,
+                                     "shards_copied": len(copied), "shards_answered": len(todo),
                                      "seconds_this_run": round(elapsed, 1),
                                      "tokens_per_s": round(generated / elapsed, 1) if todo and elapsed else None}
         if todo:
@@ -221,6 +240,36 @@ def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> d
                      generated / max(elapsed, 1e-9))
         write_manifest(folder, shards, key, t)
     return summary
+
+
+def donor_dirs(target: Target, key: dict, everything: list[Record], out: Path) -> list[tuple[Path, int]]:
+    """(directory, full shards) of every other distill directory of this target made with the same settings for a
+    slice (a prefix) of ``everything``: its full shard s holds the same prompts, seed and answers as this one's."""
+    settings = lambda k: {f: v for f, v in k.items() if f not in ("records", "prompts_sha256")}  # noqa: E731
+    found = []
+    for path in sorted((cache_dir() / "distill").glob(f"{target.name.replace('/', '_')}-*")):
+        try:
+            old = json.loads((path / "key.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if path.resolve() == out.resolve() or settings(old) != settings(key):
+            continue
+        n = old.get("records", 0)
+        if 0 < n <= len(everything) and prompts_hash(everything[:n]) == old.get("prompts_sha256"):
+            found.append((path, n // key["shard_size"]))
+    return found
+
+
+def copy_from_donor(donors: list[tuple[Path, int]], name: str, s: int, folder: Path, size: int) -> bool:
+    """Shard ``s`` copied from a donor that finished it (a copy, not a link: deleting either cache keeps the other)."""
+    for path, full in donors:
+        src = path / name / f"shard-{s:05d}.jsonl"
+        if s < full and shard_rows(src, size) is not None:
+            data = src.read_bytes()
+            write_atomic(folder / src.name, lambda f: f.write(data))
+            log.debug("distill %s: shard %d copied from %s", name, s, path)
+            return True
+    return False
 
 
 def write_manifest(folder: Path, shards: list[list[int]], key: dict, temperature: float) -> None:

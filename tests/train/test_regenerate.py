@@ -89,6 +89,27 @@ def test_long_prompts_are_skipped_and_counted(tmp_path, tiny):
     assert len(read_sources([str(tmp_path / "out" / "t0" / "shard-*.jsonl")])) == 7
 
 
+def test_a_larger_slice_copies_the_smaller_slices_shards_and_answers_only_the_rest(tmp_path, tiny, monkeypatch):
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    small = regenerate(cfg(tmp_path, out_dir=None, max_records=6, temperatures=[1.0]), tiny)  # 2 full shards of 3
+    large = regenerate(cfg(tmp_path, out_dir=None, max_records=10, temperatures=[1.0]), tiny)  # shards of 3, 3, 3, 1
+    assert small["out_dir"] != large["out_dir"]
+    assert (large["datasets"]["t1"]["shards_copied"], large["datasets"]["t1"]["shards_answered"]) == (2, 2)
+    for s in range(2):
+        name = f"t1/shard-{s:05d}.jsonl"
+        assert (Path(large["out_dir"]) / name).read_bytes() == (Path(small["out_dir"]) / name).read_bytes()
+    # The copies are what answering them would have written: the same slice answered with no other cache around.
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "empty"))
+    alone = regenerate(cfg(tmp_path, out_dir=None, max_records=10, temperatures=[1.0]), tiny)
+    assert alone["datasets"]["t1"]["shards_copied"] == 0
+    assert rows(Path(alone["out_dir"]) / "t1") == rows(Path(large["out_dir"]) / "t1")
+    # Other settings, or other prompts, are never a donor.
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    other = regenerate(cfg(tmp_path, out_dir=None, max_records=10, temperatures=[1.0], max_new_tokens=7), tiny)
+    reseeded = regenerate(cfg(tmp_path, out_dir=None, max_records=10, temperatures=[1.0], seed=1), tiny)
+    assert other["datasets"]["t1"]["shards_copied"] == reseeded["datasets"]["t1"]["shards_copied"] == 0
+
+
 @pytest.mark.slow
 def test_kill_9_loses_and_duplicates_nothing(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 24)
