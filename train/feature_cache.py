@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from heads.target import Target, cache_dir
-from train.regenerate import keyed_dir, open_keyed_dir, write_atomic
+from heads.target import Target
+from train.regenerate import keyed_dir, keyed_dirs, open_keyed_dir, read_key, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,6 @@ def cache_key(target: Target, examples, layers, max_len: int, shard_size: int,
     return key
 
 
-def read_key(path: Path) -> dict | None:
-    try:
-        return json.loads((path / "key.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def superset_dir(root: str | None, target: Target, key: dict) -> tuple[Path, list[int]] | None:
     """A cache directory whose key equals ``key`` but for holding more layers, and its layers; else None.
     ``root`` (data.feature_dir) is the only candidate when set; else every per-key directory of this target.
@@ -72,8 +65,7 @@ def superset_dir(root: str | None, target: Target, key: dict) -> tuple[Path, lis
 
 def cache_dirs(target: Target) -> list[tuple[Path, dict]]:
     """(directory, key) of every readable per-key feature cache of this target under ~/.cache/draftheads."""
-    dirs = sorted(p.parent for p in (cache_dir() / "features").glob(f"{target.name.replace('/', '_')}-*/key.json"))
-    return [(d, key) for d in dirs if (key := read_key(d))]
+    return keyed_dirs("features", target)
 
 
 def donor_shards(root: str | None, target: Target, key: dict, into: Path) -> dict[str, Path]:

@@ -122,6 +122,19 @@ def keyed_dir(explicit: str | None, kind: str, target: Target, key: dict) -> Pat
     return Path(explicit) if explicit else cache_dir() / kind / f"{target.name.replace('/', '_')}-{digest}"
 
 
+def read_key(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "key.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def keyed_dirs(kind: str, target: Target) -> list[tuple[Path, dict]]:
+    """(directory, key) of every readable per-key directory of ``kind`` for this target under ~/.cache/draftheads."""
+    dirs = sorted(p.parent for p in (cache_dir() / kind).glob(f"{target.name.replace('/', '_')}-*/key.json"))
+    return [(d, key) for d in dirs if (key := read_key(d))]
+
+
 def open_keyed_dir(explicit: str | None, kind: str, target: Target, key: dict, option: str) -> Path:
     """``keyed_dir``, created; a directory made for another key is refused."""
     out = keyed_dir(explicit, kind, target, key)
@@ -247,11 +260,7 @@ def donor_dirs(target: Target, key: dict, everything: list[Record], out: Path) -
     slice (a prefix) of ``everything``: its full shard s holds the same prompts, seed and answers as this one's."""
     settings = lambda k: {f: v for f, v in k.items() if f not in ("records", "prompts_sha256")}  # noqa: E731
     found = []
-    for path in sorted((cache_dir() / "distill").glob(f"{target.name.replace('/', '_')}-*")):
-        try:
-            old = json.loads((path / "key.json").read_text())
-        except (OSError, ValueError):
-            continue
+    for path, old in keyed_dirs("distill", target):
         if path.resolve() == out.resolve() or settings(old) != settings(key):
             continue
         n = old.get("records", 0)
