@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import lightning as L
 import numpy as np
@@ -28,16 +28,10 @@ from train.optimizers import OPTIMIZERS, build_optimizer
 class LossConfig:
     kind: str = "soft_ce"  # soft_ce | kl | tv | lk | lk_alpha: heads/losses.py distill_loss
     step_decay: float = 1.0  # weight of draft step k is step_decay**(k-1); EAGLE-3 uses 0.8
-    # Training only: uniform noise on the target states a head fuses (EAGLE-3's tapped layers, not the final state
-    # the target's logits and EAGLE-1's regression come from), each dimension's noise std this fraction of that
-    # dimension's std over the batch's tokens: EAGLE-1's data noise, scale-free across layers. 0: off.
-    feature_noise: float = 0.0
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
             raise UserError(f"head.loss.kind={self.kind} is not a loss; choose one of {', '.join(LOSS_KINDS)}")
-        if not 0 <= self.feature_noise < 1:
-            raise UserError(f"head.loss.feature_noise={self.feature_noise}; use a fraction in [0, 1), e.g. 0.1")
 
 
 @dataclass
@@ -63,20 +57,6 @@ class EvalConfig:
     best_by: str = "tau"  # the kept head: highest held-out τ at γ = K (the chain walk) | "alpha" (α@1)
 
 
-def with_feature_noise(feats: TargetFeatures, scale: float, final: int) -> TargetFeatures:
-    """``feats`` with uniform noise on every state but the final one (see LossConfig.feature_noise)."""
-    real = feats.attention_mask.bool() if feats.attention_mask is not None else None
-    noisy = {}
-    for k, h in feats.hidden.items():
-        if k == final:
-            noisy[k] = h
-            continue
-        std = (h[real] if real is not None else h.flatten(0, 1)).float().std(0)  # [H]: per dimension, real tokens
-        unit = (torch.rand_like(h) * 2 - 1) * math.sqrt(3)  # uniform with unit variance
-        noisy[k] = h + unit * (scale * std).to(h.dtype)
-    return replace(feats, hidden=noisy)
-
-
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -90,9 +70,6 @@ class DraftModule(L.LightningModule):
         self.head = head
         self.target = target  # a dataclass, not an nn.Module: stays out of state_dict and parameters()
         self.loss_cfg, self.optim_cfg, self.eval_cfg = loss, optim, evaluation
-        if loss.feature_noise and set(head.feature_layers) <= {target.dims.num_layers}:
-            raise UserError(f"head.loss.feature_noise noises the tapped layers a head fuses; head={head.family} reads "
-                            "only the final state, so set head.loss.feature_noise=0")
         self._val_tally: Tally | None = None
         self.heldout: dict | None = None  # the last mid-run check: step, trained tokens, α per step, τ per γ
         self.trained_tokens = 0  # tokens the loss was computed on (this process, this run), for trained tokens/s
@@ -154,8 +131,6 @@ class DraftModule(L.LightningModule):
             self.head.resample_loss_vocab(self.global_step)
         columns = None if with_alpha else self.loss_columns()
         feats = self.features(batch, columns).hidden_as(self.head_dtype())  # a bf16/fp16 target feeds an fp32 head
-        if self.loss_cfg.feature_noise:
-            feats = with_feature_noise(feats, self.loss_cfg.feature_noise, self.target.dims.num_layers)
         out = self.head(feats)
         return head_loss(self.head, out, feats, self.loss_cfg.kind, self.loss_cfg.step_decay,
                          temperature=self.eval_cfg.temperature)  # train/alpha@k comparable to val/alpha@k
