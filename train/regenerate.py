@@ -15,7 +15,7 @@ train on the result (``data.train_files=[OUT/t0/shard-*.jsonl]``):
   shard exists: records, tokens, shards.
 - A larger or smaller slice of the same prompts (another ``max_records``) gets its own directory, but its shards are
   prefixes of one seeded shuffle, with per-shard seeds: every full shard another slice already answered under the same
-  settings is hard-linked from there instead of answered again (``donor_dirs`` checks the slice's prompt hash).
+  settings is copied from there instead of answered again (``donor_dirs`` checks that slice's prompt hash).
 """
 from __future__ import annotations
 
@@ -258,7 +258,9 @@ def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> d
 def donor_dirs(target: Target, key: dict, everything: list[Record], out: Path) -> list[tuple[Path, int]]:
     """(directory, full shards) of every other distill directory of this target made with the same settings for a
     slice (a prefix) of ``everything``: its full shard s holds the same prompts, seed and answers as this one's."""
-    settings = lambda k: {f: v for f, v in k.items() if f not in ("records", "prompts_sha256")}  # noqa: E731
+    def settings(k: dict) -> dict:
+        return {f: v for f, v in k.items() if f not in ("records", "prompts_sha256")}
+
     found = []
     for path, old in keyed_dirs("distill", target):
         if path.resolve() == out.resolve() or settings(old) != settings(key):
