@@ -70,9 +70,9 @@ def rank_world(cfg: RegenConfig) -> tuple[int, int]:
     return rank, world
 
 
-def select(cfg: RegenConfig) -> list[Record]:
-    """The prompts to answer, in the seeded order that defines the shards."""
-    records = shuffled(cfg)
+def select(cfg: RegenConfig, everything: list[Record] | None = None) -> list[Record]:
+    """The prompts to answer, in the seeded order that defines the shards (a prefix of ``shuffled(cfg)``)."""
+    records = shuffled(cfg) if everything is None else everything
     return records[:cfg.max_records] if cfg.max_records else records
 
 
@@ -155,6 +155,10 @@ def write_text(path: Path, text: str) -> None:
     write_atomic(path, lambda f: f.write(text.encode()))
 
 
+def write_shard(path: Path, rows: list[dict]) -> None:
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
 def shard_rows(path: Path, expected: int) -> list[dict] | None:
     """A finished shard's rows, or None when it is missing, truncated or corrupt (it is then answered again)."""
     if not path.exists():
@@ -207,14 +211,14 @@ def regenerate(cfg: RegenConfig, target: Target) -> dict:
 
 def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> dict:
     everything = shuffled(cfg)
-    records = everything[:cfg.max_records] if cfg.max_records else everything
+    records = select(cfg, everything)
     key = dataset_key(cfg, target, records)
     out = open_keyed_dir(cfg.out_dir, "distill", target, key, "distill.out_dir")
     rank, world = rank_world(cfg)
     S = cfg.shard_size
     shards = [list(range(s, min(s + S, len(records)))) for s in range(0, len(records), S)]
     mine = [s for s in range(len(shards)) if s % world == rank]
-    donors = donor_dirs(target, key, everything, out)
+    donors = None  # looked up only once a full shard still needs its answers
     summary = {"out_dir": str(out), "records": len(records), "engine": cfg.engine, "datasets": {}}
     engine = None  # started at the first shard that needs answering: finished datasets load no vLLM
     for t in cfg.temperatures:
@@ -222,7 +226,10 @@ def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> d
         folder = out / name
         folder.mkdir(exist_ok=True)
         todo = [s for s in mine if shard_rows(folder / f"shard-{s:05d}.jsonl", len(shards[s])) is None]
-        copied = [s for s in todo if len(shards[s]) == S and copy_from_donor(donors, name, s, folder, S)]
+        full = [s for s in todo if len(shards[s]) == S]
+        if full and donors is None:
+            donors = donor_dirs(target, key, everything, out)
+        copied = [s for s in full if copy_from_donor(donors, name, s, folder, S)]
         todo = [s for s in todo if s not in copied]
         log.info("distill %s: %d prompts in %d shards, rank %d of %d answers %d (%d already done, %d of them copied "
                  "from another slice of the same prompts) into %s", name, len(records), len(shards), rank, world,
@@ -238,7 +245,7 @@ def answer_all_datasets(cfg: RegenConfig, target: Target, stack: ExitStack) -> d
                                  batch_size=cfg.batch_size, seed=cfg.seed * 1_000_003 + s)
             rows, n = answer_shard(target, [records[i] for i in shards[s]], [records[i].where for i in shards[s]], dcfg,
                                    cfg.max_prompt_len, engine)
-            write_text(folder / f"shard-{s:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            write_shard(folder / f"shard-{s:05d}.jsonl", rows)
             generated += n
             bar.update(len(shards[s]))
             bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - t0):.0f}")
@@ -275,9 +282,9 @@ def copy_from_donor(donors: list[tuple[Path, int]], name: str, s: int, folder: P
     """Shard ``s`` copied from a donor that finished it (a copy, not a link: deleting either cache keeps the other)."""
     for path, full in donors:
         src = path / name / f"shard-{s:05d}.jsonl"
-        if s < full and shard_rows(src, size) is not None:
-            data = src.read_bytes()
-            write_atomic(folder / src.name, lambda f: f.write(data))
+        rows = shard_rows(src, size) if s < full else None
+        if rows is not None:  # written back as a shard is written: the donor's bytes
+            write_shard(folder / src.name, rows)
             log.debug("distill %s: shard %d copied from %s", name, s, path)
             return True
     return False
