@@ -181,6 +181,27 @@ def measure_sets(heads: dict[str, DraftHead], target: Target, sets: dict, top_k:
     return result
 
 
+def add_vocab_coverage(record: dict, head: DraftHead, eval_sets: dict) -> None:
+    """record (and its "test") gains draft_vocab_coverage {temperature: share of that split's held-out answer tokens
+    inside the head's draft vocabulary}; nothing for a head drafting the whole vocabulary. A draft never proposes a
+    token outside it, so the share caps α at every step (at T > 0 in expectation, on the sampled text). EAGLE-3's
+    8,192 tokens covered 92% of the SmolLM2 recipe's greedy answers (2026-12-07)."""
+    cols = head.draft_token_ids()
+    if len(cols) >= head.dims.vocab_size:
+        return
+    inside = torch.zeros(head.dims.vocab_size, dtype=torch.bool)
+    inside[cols.cpu()] = True
+    for split, into in (("validation", record), ("test", record.get("test"))):
+        shares = {}
+        for t, examples in eval_sets.items():
+            # loss_mask[t]: position t predicts token t + 1, an answer token
+            nxt = [ex.input_ids[1:][ex.loss_mask[:-1]] for ex in examples if ex.split == split]
+            if nxt:
+                shares[str(t)] = float(inside[torch.cat(nxt)].double().mean())
+        if into is not None and shares:
+            into["draft_vocab_coverage"] = shares
+
+
 def acceptance_record(head_name: str, target_name: str, data: str, temperature: float, measured: dict,
                       untrained: dict | None = None, top_k: int = 0, top_p: float = 1.0,
                       texts: dict | None = None) -> dict:

@@ -283,7 +283,8 @@ def fit(job: Job, target: Target) -> Fitted:
 def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
     """α of the last, the untrained and the best mid-run head on validation; the kept head's on test too. Writes
     OUT/head (the kept head), OUT/acceptance.json and OUT/alpha.png."""
-    from train.acceptance import acceptance_record, measure_sets, plot_alpha, with_test_split, write_json
+    from train.acceptance import (acceptance_record, add_vocab_coverage, measure_sets, plot_alpha, with_test_split,
+                                  write_json)
     from train.selection import final_choice
 
     cfg, out, ecfg, data, keeper, trainer = job.cfg, job.out, job.eval, fitted.data, fitted.keeper, fitted.trainer
@@ -302,6 +303,7 @@ def measure_and_save(job: Job, target: Target, fitted: Fitted) -> dict:
                                measured["untrained"], ecfg.top_k, ecfg.top_p, data.eval_text)
     tested = measure_sets({chosen: heads[chosen]}, target, data.eval_loaders("test"), ecfg.top_k, ecfg.top_p)
     with_test_split(record, tested[chosen], data.heldout_keys)
+    add_vocab_coverage(record, heads[chosen], data.eval_sets)  # the α ceiling the draft vocabulary sets
     record.update(train_steps=step, head_step=head_step, selected_by=ecfg.best_by, alpha_last=measured["last"][T]["alpha"],
                   tau_predicted_last=measured["last"][T]["tau_predicted"], heldout_checks=keeper.state["history"])
     check = next((c for c in keeper.state["history"] if c["step"] == head_step), None)
@@ -355,9 +357,12 @@ def report(record: dict) -> None:
     from rich.table import Table
 
     test = record.get("test")
+    cover = (test or record).get("draft_vocab_coverage", {}).get(str(record["temperature"]))
     table = Table(title=f"α per draft position: {record['head']} on {record['target']}, temperature "
                         f"{record['temperature']}, {record['num_tokens']} validation tokens"
-                        + (f", {test['num_tokens']} test tokens" if test else ""))
+                        + (f", {test['num_tokens']} test tokens" if test else ""),
+                  caption=cover and f"α ≤ {cover:.1%}, the draft vocabulary's share of the "
+                                    + ("test" if test else "held-out") + " tokens")
     table.add_column("k", justify="right")
     table.add_column("α test" if test else "trained α", justify="right")
     table.add_column("τ test (γ=k)" if test else "τ predicted (γ=k)", justify="right")

@@ -122,3 +122,32 @@ def test_grid_on_draft_columns_equals_alpha_over_the_target_vocabulary(name, tem
                                          columns=head.draft_token_ids())
     with pytest.raises(ValueError, match="whole vocabulary"):  # an argmax over the draft columns is not the target's
         acceptance_grid(head, out, draft_columns, temperature, top_k, top_p)
+
+
+def test_draft_vocab_coverage_counts_the_answer_tokens_inside_the_draft_vocabulary(fast_cfg, tmp_path, tiny_target):
+    """acceptance.json's draft_vocab_coverage, per split, against a count over the held-out records tokenized here;
+    a head that drafts the whole vocabulary has none."""
+    from safetensors.torch import load_file
+
+    from train.data import chat_example
+    from train.main import run
+
+    heldout = tmp_path / "words.jsonl"
+    records = [[{"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": f"Word{i} and zebra{i * 7} quoth the raven, " * (1 + i % 3)}]
+               for i in range(8)]
+    heldout.write_text("".join(json.dumps({"messages": m}) + "\n" for m in records))
+    out = tmp_path / "eagle3"
+    record = run(fast_cfg("head=eagle3", "head.hparams.draft_vocab_size=60", "trainer.max_steps=2",
+                          f"data.eval_files=[{heldout}]", out=out))
+    inside = load_file(str(out / "head" / "model.safetensors"))["t2d"].bool()
+    for split, got, parity in (("validation", record, 0), ("test", record["test"], 1)):  # even ranks validate
+        hit = total = 0
+        for messages in records[parity::2]:
+            ex = chat_example(messages, tiny_target.tokenizer, 512)
+            answer = ex.input_ids[1:][ex.loss_mask[:-1]]
+            hit, total = hit + int(inside[answer].sum()), total + len(answer)
+        assert 0 < hit < total  # the 60 training tokens hold some held-out answer tokens, not all
+        assert got["draft_vocab_coverage"] == {"0.0": pytest.approx(hit / total)}, split
+    whole = run(fast_cfg("head=mtp", "trainer.max_steps=2", f"data.eval_files=[{heldout}]", out=tmp_path / "mtp"))
+    assert "draft_vocab_coverage" not in whole and "draft_vocab_coverage" not in whole["test"]
