@@ -47,7 +47,6 @@ class DataConfig:
     # measured as good per trained token as the target's own answers, at a feature pass instead of a decode loop.
     reference_files: list[str] = field(default_factory=list)
     max_reference_records: int | None = None
-    answer_repeats: int = 1  # train_files' examples (the target's own answers) this many times an epoch, references once
     max_eval_records: int | None = None
     num_workers: int = 0  # tokenised tensors in memory: workers only add start-up cost
     cache_features: bool = False  # run the target once over the training set and keep the features it reads
@@ -60,8 +59,6 @@ class DataConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self):
-        if self.answer_repeats < 1:
-            raise UserError(f"data.answer_repeats={self.answer_repeats}; use 1 or more")
         if self.feature_precision not in ("target", "bf16", "bf16-if-native"):
             raise UserError(f"data.feature_precision={self.feature_precision!r}; choose target, bf16 or "
                             "bf16-if-native")
@@ -371,15 +368,13 @@ class DraftDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
-        answers = self.train_examples[:len(self.train_examples) - len(self.reference_examples)]
-        examples = self.train_examples + answers * (self.cfg.answer_repeats - 1)  # the same tensors, weighed more
-        lengths = [len(ex.input_ids) for ex in examples]
+        lengths = [len(ex.input_ids) for ex in self.train_examples]
         batches = LengthGroupedBatches(lengths, self.cfg.batch_size, self.seed, True, rank, world)
         if len(batches) == 0:
             raise UserError(f"{len(lengths)} training sequences make no full batch of data.batch_size="
                             f"{self.cfg.batch_size} on {world} device(s); lower data.batch_size or add data")
         t = self.trainer
-        return ResumableLoader(examples, batch_sampler=batches, num_workers=self.cfg.num_workers,
+        return ResumableLoader(self.train_examples, batch_sampler=batches, num_workers=self.cfg.num_workers,
                                collate_fn=partial(collate, pad_id=self.target.tokenizer.pad_token_id),
                                consumed=lambda: t.global_step * t.accumulate_grad_batches if t is not None else 0)
 
