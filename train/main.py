@@ -361,8 +361,8 @@ def report(record: dict) -> None:
     table = Table(title=f"α per draft position: {record['head']} on {record['target']}, temperature "
                         f"{record['temperature']}, {record['num_tokens']} validation tokens"
                         + (f", {test['num_tokens']} test tokens" if test else ""),
-                  caption=cover and f"α ≤ {cover:.1%}, the draft vocabulary's share of the "
-                                    + ("test" if test else "held-out") + " tokens")
+                  caption=None if cover is None else f"α ≤ {cover:.1%}, the draft vocabulary's share of the "
+                                                     + ("test" if test else "held-out") + " tokens")
     table.add_column("k", justify="right")
     table.add_column("α test" if test else "trained α", justify="right")
     table.add_column("τ test (γ=k)" if test else "τ predicted (γ=k)", justify="right")
