@@ -143,7 +143,10 @@ def test_recipe_distils_caches_trains_and_reuses_both(compose, write_chat, tmp_p
                  "distill.exclude_files=[]", "distill.max_new_tokens=12", f"distill.out_dir={tmp_path / 'answers'}",
                  "distill.shard_size=8", f"data.eval_files=[{heldout}]", "data.max_eval_records=null",
                  f"data.reference_files=[{reference}]", f"data.feature_dir={tmp_path / 'feats'}",
-                 "trainer.max_steps=4", "head.hparams.draft_vocab_size=128")
+                 "trainer.max_steps=4", "head.hparams.draft_vocab_size=128",
+                 # the recipe's bf16-if-faster times both precisions: on this toy target both take ~0.01 s a step, so
+                 # a loaded machine picked bf16 in one run and fp32 in the other, and the heads differed
+                 "trainer.precision=32-true")
     first = run(compose(tmp_path / "run1", *overrides))
     assert first["feature_cache"]["shards_built"] >= 1 and len(first["alpha"]) == 3
     assert first["trained_tokens"] > 0 and first["trained_tokens_per_s"] > 0
@@ -179,7 +182,8 @@ def test_first_run_after_install_trains_the_rerun_s_head(compose, write_chat, tm
                  "distill.exclude_files=[]", "distill.max_new_tokens=8", "distill.shard_size=4",
                  "data.distill.max_new_tokens=8", f"data.eval_files=[{heldout}]", "data.max_eval_records=null",
                  "data.reference_files=[]", "trainer.max_steps=3", "trainer.val_check_interval=3",
-                 "head.hparams.draft_vocab_size=64", "eval.extra_temperatures=[]")
+                 "head.hparams.draft_vocab_size=64", "eval.extra_temperatures=[]",
+                 "trainer.precision=32-true")  # one precision in both runs, whatever bf16-if-faster would time
     first = run(compose(tmp_path / "run1", *overrides))
     assert (tmp_path / "cache" / "targets").is_dir() and first["feature_cache"]["shards_built"] >= 1
     second = run(compose(tmp_path / "run2", *overrides))
