@@ -48,6 +48,9 @@ class DataConfig:
     reference_files: list[str] = field(default_factory=list)
     max_reference_records: int | None = None
     max_eval_records: int | None = None
+    # Which records max_train_records and max_reference_records sample. The job's own seed only seeds the head and
+    # the batch order, so two seeds of one recipe train on the same text (and reuse its feature cache).
+    seed: int = 0
     num_workers: int = 0  # tokenised tensors in memory: workers only add start-up cost
     cache_features: bool = False  # run the target once over the training set and keep the features it reads
     features_on_disk: bool = False  # with cache_features: bf16 memory-mapped shards reused by later runs
@@ -235,6 +238,7 @@ class DraftDataModule(L.LightningDataModule):
     """Reads, self-distils and tokenises once (``prepare``), then serves batches to Lightning and to evaluation."""
 
     def __init__(self, cfg: DataConfig, target, seed: int = 0, mode: str = "train"):
+        """``seed`` orders the batches; which records are sampled is ``cfg.seed``'s."""
         super().__init__()
         self.cfg, self.target, self.seed, self.mode = cfg, target, seed, mode
         self.train_examples: list[Example] = []  # train_files' text, then reference_files'
@@ -261,12 +265,12 @@ class DraftDataModule(L.LightningDataModule):
         if self.mode == "eval" and not c.eval_files:
             train_files = c.train_files  # the held-out slice of the training files
         train, heldout = split_records(train_files, c.eval_files, c.heldout_fraction, c.max_train_records,
-                                       c.max_eval_records, self.seed)
+                                       c.max_eval_records, c.seed)
         if self.mode == "eval":
             train = []
         self.train_examples = self._examples("train", train, c.distill, layers)
         if c.reference_files and self.mode == "train":  # the same held-out exclusion as train_files
-            reference = reference_records(c.reference_files, heldout, c.max_reference_records, self.seed)
+            reference = reference_records(c.reference_files, heldout, c.max_reference_records, c.seed)
             self.reference_examples = self._examples("reference", reference, c.distill, respond="dataset")
             self.train_examples += self.reference_examples
         for t in dict.fromkeys(float(t) for t in eval_temperatures):

@@ -223,6 +223,14 @@ def test_reference_files_train_as_written_beside_answered_prompts(tmp_path, tiny
     assert [len(d.reference_examples) for d in capped] == [4, 4]
     assert [e.input_ids.tolist() for e in capped[0].reference_examples] == \
         [e.input_ids.tolist() for e in capped[1].reference_examples]
+    # The job's seed (a second head initialisation) keeps the text; data.seed draws another sample.
+    job_seed = DraftDataModule(DataConfig.from_dict({**base, "max_reference_records": 4}), tiny_target, seed=1)
+    data_seed = DraftDataModule(DataConfig.from_dict({**base, "max_reference_records": 4, "seed": 1}), tiny_target)
+    for d in (job_seed, data_seed):
+        d.prepare()
+    ids = lambda d: [e.input_ids.tolist() for e in d.reference_examples]  # noqa: E731
+    assert ids(job_seed) == ids(capped[0])
+    assert ids(data_seed) != ids(capped[0]) and len(ids(data_seed)) == 4
 
 
 def test_features_kept_during_generation_match_a_forward_pass(tmp_path, tiny_target, monkeypatch):
